@@ -1,0 +1,1 @@
+"""nn.Modules of the models. They call ops/; they never launch kernels inline."""

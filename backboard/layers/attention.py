@@ -1,0 +1,39 @@
+"""Paged attention over the flat batch: writes the new K/V into the layer's cache, then attends
+each request's queries over its whole context (cache + new tokens)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv
+from backboard.worker.forward_context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attn_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attn_idx = attn_idx            # ordinal among the attention layers (KV cache index)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, nh, D], k/v [T, nkv, D] -> [T, nh, D]."""
+        ctx = get_forward_context()
+        meta = ctx.meta
+        k_cache, v_cache = ctx.caches.k[self.attn_idx], ctx.caches.v[self.attn_idx]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            rs, re = g.req_start, g.req_end
+            qg = q[g.tok_start:g.tok_end].view(g.num_reqs, g.L, self.num_heads, self.head_dim)
+            max_len = int(meta.seq_lens_cpu[rs:re].max())
+            og = paged_attention_uniform(qg, k_cache, v_cache, meta.block_table[rs:re],
+                                         meta.seq_lens[rs:re], max_len, self.scale)
+            out[g.tok_start:g.tok_end] = og.reshape(-1, self.num_heads, self.head_dim)
+        qsl = meta.query_start_loc_cpu
+        for r in range(meta.prefill_start, meta.num_reqs):
+            s, e = int(qsl[r]), int(qsl[r + 1])
+            out[s:e] = paged_attention_prefill(q[s:e], k_cache, v_cache, meta.block_table[r],
+                                               int(meta.seq_lens_cpu[r]), self.scale)
+        return out

@@ -1,0 +1,42 @@
+"""Batched recurrent gated delta rule: B sequences, L tokens each, states read and written by slot.
+
+L = 1 is the decode step. L = 1 + k with `dst_slots` of shape [B, L] is speculative verification:
+the state after each position is written to its own slot, so the next step can start from the
+last accepted one without a copy."""
+
+from __future__ import annotations
+
+import torch
+
+from backboard.ops.gdn.reference import prepare_qk
+
+
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor, src_slots: torch.Tensor,
+                  dst_slots: torch.Tensor, has_initial_state: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+    """q, k: [B, L, nk, dk]; v: [B, L, nv, dv]; g, beta: [B, L, nv] (fp32);
+    state: [num_slots, nv, dk, dv] fp32, updated in place;
+    src_slots: [B] slot holding each sequence's initial state;
+    dst_slots: [B] (final state only) or [B, L] (state after every position);
+    has_initial_state: [B] bool or None (all True); False starts from zeros.
+    Returns o: [B, L, nv, dv] fp32."""
+    B, L, nv, dv = v.shape
+    q, k = prepare_qk(q, k, nv)                      # [B, L, nv, dk]
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = state[src_slots]                             # [B, nv, dk, dv] (a copy)
+    if has_initial_state is not None:
+        S = S * has_initial_state.to(S.dtype)[:, None, None, None]
+    per_position = dst_slots.dim() == 2
+    o = torch.empty(B, L, nv, dv, dtype=torch.float32, device=v.device)
+    for t in range(L):
+        S = S * g[:, t].exp()[:, :, None, None]
+        kv = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        u = (v[:, t] - kv) * beta[:, t, :, None]
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        if per_position:
+            state[dst_slots[:, t]] = S
+    if not per_position:
+        state[dst_slots] = S
+    return o

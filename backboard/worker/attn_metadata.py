@@ -1,0 +1,65 @@
+"""Per-step batch metadata shared by every layer of one forward.
+
+Requests in the flat batch are ordered [uniform groups (decodes, then verify groups) | prefills]:
+a uniform group is a contiguous run of requests with the same number L of query rows, each of them
+the last L positions of its sequence (decode: L = 1; speculative verification: L = 1 + k). Prefills
+are everything else: whole prompts or prompt chunks resumed from the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class UniformGroup:
+    req_start: int
+    req_end: int
+    L: int                                  # query rows per request
+    tok_start: int                          # first token of the group in the flat batch
+    dst_slots: torch.Tensor | None = None   # [n, L]: GDN state after each row (verify) or None
+
+    @property
+    def num_reqs(self) -> int:
+        return self.req_end - self.req_start
+
+    @property
+    def tok_end(self) -> int:
+        return self.tok_start + self.num_reqs * self.L
+
+
+@dataclass
+class ForwardMeta:
+    """Shapes: T tokens, B requests, M blocks per block-table row."""
+
+    num_tokens: int
+    positions: torch.Tensor                 # [T] int64
+    slot_mapping: torch.Tensor              # [T] int64: KV cache slot of each token
+    block_table: torch.Tensor               # [B, M] int32
+    seq_lens: torch.Tensor                  # [B] int32: tokens after this step (context + new)
+    seq_lens_cpu: np.ndarray                # [B]
+    query_start_loc_cpu: np.ndarray         # [B + 1]
+    state_slots: torch.Tensor               # [B] int64: GDN slot read (initial state) / written
+    has_initial_state: torch.Tensor         # [B] bool: num_computed_tokens > 0
+    has_initial_state_cpu: np.ndarray       # [B]
+    groups: list[UniformGroup] = field(default_factory=list)
+    prefill_start: int = 0                  # first prefill request (== B when none)
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
+
+    @property
+    def prefill_tok_start(self) -> int:
+        return int(self.query_start_loc_cpu[self.prefill_start])
+
+    def prefill_cu_seqlens(self) -> list[int]:
+        """Token offsets of the prefill requests, relative to the first prefill token."""
+        q = self.query_start_loc_cpu[self.prefill_start:]
+        return (q - q[0]).tolist()
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.prefill_start
