@@ -46,7 +46,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     K = weight.shape[1]
     init = conv_state[src_slots].to(x.dtype)                      # [B, K-1, C]
     if has_initial_state is not None:
-        init = init * has_initial_state.to(init.dtype)[:, None, None]
+        init = torch.where(has_initial_state[:, None, None], init, torch.zeros_like(init))
     xx = torch.cat([init, x], dim=1)                              # [B, K-1+L, C]
     y = F.silu(_conv_windows(xx, weight, L)).to(x.dtype)
     if dst_slots.dim() == 2:

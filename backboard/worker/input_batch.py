@@ -1,8 +1,10 @@
-"""Flat-batch input preparation: per-request host arrays -> token ids, positions and ForwardMeta.
+"""Flat-batch input preparation.
 
-Vectorised with numpy (no per-token Python loops). Requests are reordered so that uniform groups
-(decodes with one row, then verify groups with 1 + k rows) come first and prefills last; the
-returned `order` maps batch rows back to the caller's request order."""
+`InputBatch` keeps every running request's state in persistent host arrays (token ids, block
+table, state slots, sampling parameters), indexed by the request's row; `build_step` turns a step's
+rows into token ids, positions and ForwardMeta with numpy (no per-token Python loops). Requests are
+reordered so that uniform groups (decodes with one row, then verify groups with 1 + k rows) come
+first and prefills last."""
 
 from __future__ import annotations
 
@@ -14,94 +16,144 @@ import torch
 from backboard.worker.attn_metadata import ForwardMeta, UniformGroup
 
 
-@dataclass
-class BatchRequest:
-    """One request's share of a step, as the model runner sees it."""
-
-    token_ids: np.ndarray          # [q_len] the tokens to compute this step
-    num_computed: int              # tokens already in the caches (context before this step)
-    block_ids: list[int] | np.ndarray
-    state_slot: int                # GDN slot holding the state after num_computed tokens
-    spec_dst_slots: list[int] | None = None   # verify: slot for the state after each row
+def group_order(q_lens: np.ndarray, is_spec: np.ndarray) -> np.ndarray:
+    """Stable order: plain decodes (q = 1), then verify groups by row count, then prefills."""
+    kind = np.where(is_spec, 1, np.where(q_lens == 1, 0, 2))
+    sub = np.where(kind == 1, q_lens, 0)
+    return np.lexsort((np.arange(len(q_lens)), sub, kind))
 
 
 @dataclass
-class PreparedBatch:
+class StepInputs:
     input_ids: torch.Tensor        # [T]
     meta: ForwardMeta
-    order: np.ndarray              # batch row i holds caller request order[i]
-    query_start_loc: np.ndarray    # [B + 1] in batch order
-
-    def last_token_rows(self) -> np.ndarray:
-        """Flat row of each request's last token, in batch order."""
-        return self.query_start_loc[1:] - 1
+    query_start_loc: np.ndarray    # [B + 1], batch order
+    positions_cpu: np.ndarray      # [T]
 
 
-def _group_key(r: BatchRequest) -> tuple[int, int]:
-    q = len(r.token_ids)
-    if r.spec_dst_slots is not None:
-        return (1, q)              # verify groups, by row count
-    if q == 1:
-        return (0, 1)              # plain decodes
-    return (2, 0)                  # prefill spans
-
-
-def prepare_batch(reqs: list[BatchRequest], block_size: int, device: torch.device | str = "cpu",
-                  ) -> PreparedBatch:
-    keys = [_group_key(r) for r in reqs]
-    order = np.array(sorted(range(len(reqs)), key=lambda i: keys[i]), dtype=np.int64)
-    reqs = [reqs[i] for i in order]
-    keys = [keys[i] for i in order]
-    B = len(reqs)
-    q_lens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
-    num_computed = np.array([r.num_computed for r in reqs], dtype=np.int64)
+def build_step(input_ids: np.ndarray, q_lens: np.ndarray, num_computed: np.ndarray,
+               block_table: np.ndarray, state_slots: np.ndarray, spec_dst: list[np.ndarray | None],
+               block_size: int, device: torch.device | str = "cpu") -> StepInputs:
+    """Requests already in group order (see group_order). input_ids [T]; q_lens, num_computed,
+    state_slots [B]; block_table [B, M]; spec_dst[i]: [L_i] verify destination slots or None."""
+    B = len(q_lens)
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
     T = int(qsl[-1])
     seq_lens = num_computed + q_lens
-    max_blocks = max(1, max(len(r.block_ids) for r in reqs))
-    block_table = np.zeros((B, max_blocks), dtype=np.int32)
-    for i, r in enumerate(reqs):
-        block_table[i, :len(r.block_ids)] = r.block_ids
-    # positions and KV slots of every token
     req_of_tok = np.repeat(np.arange(B), q_lens)
     positions = np.arange(T, dtype=np.int64) - qsl[:-1][req_of_tok] + num_computed[req_of_tok]
-    needed = (seq_lens + block_size - 1) // block_size
-    short = np.nonzero(needed > np.array([len(r.block_ids) for r in reqs]))[0]
-    if len(short):
-        i = int(short[0])
-        raise ValueError(f"request in batch row {i} needs {needed[i]} KV blocks for {seq_lens[i]} tokens "
-                         f"but has {len(reqs[i].block_ids)}")
     slot_mapping = (block_table[req_of_tok, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs]) if B else np.zeros(0, np.int64)
-    # uniform groups
     groups: list[UniformGroup] = []
     i = 0
-    while i < B and keys[i][0] in (0, 1):
-        j = i
-        while j < B and keys[j] == keys[i]:
+    while i < B:
+        spec = spec_dst[i] is not None
+        if not spec and q_lens[i] != 1:
+            break
+        j = i + 1
+        while j < B and (spec_dst[j] is not None) == spec and q_lens[j] == q_lens[i]:
             j += 1
-        dst = None
-        if keys[i][0] == 1:
-            dst = torch.tensor([reqs[k].spec_dst_slots for k in range(i, j)], dtype=torch.int64,
-                               device=device)
+        dst = torch.from_numpy(np.stack(spec_dst[i:j])).to(device) if spec else None
         groups.append(UniformGroup(i, j, int(q_lens[i]), int(qsl[i]), dst))
         i = j
     has_init = num_computed > 0
     t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)  # noqa: E731
     meta = ForwardMeta(
-        num_tokens=T,
-        positions=t(positions, torch.int64),
-        slot_mapping=t(slot_mapping, torch.int64),
-        block_table=t(block_table, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        seq_lens_cpu=seq_lens,
-        query_start_loc_cpu=qsl,
-        state_slots=t(np.array([r.state_slot for r in reqs], dtype=np.int64), torch.int64),
-        has_initial_state=t(has_init, torch.bool),
-        has_initial_state_cpu=has_init,
-        groups=groups,
-        prefill_start=i,
-    )
-    return PreparedBatch(t(input_ids, torch.int64), meta, order, qsl)
+        num_tokens=T, positions=t(positions, torch.int64), slot_mapping=t(slot_mapping, torch.int64),
+        block_table=t(block_table, torch.int32), seq_lens=t(seq_lens, torch.int32),
+        seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, state_slots=t(state_slots, torch.int64),
+        has_initial_state=t(has_init, torch.bool), has_initial_state_cpu=has_init,
+        groups=groups, prefill_start=i)
+    return StepInputs(t(input_ids, torch.int64), meta, qsl, positions)
+
+
+# ---- a list-of-requests front for tests and benchmarks ------------------------------------
+@dataclass
+class BatchRequest:
+    """One request's share of a step."""
+
+    token_ids: np.ndarray          # [q_len] the tokens to compute this step
+    num_computed: int              # tokens already in the caches
+    block_ids: list[int] | np.ndarray
+    state_slot: int                # GDN slot holding the state after num_computed tokens
+    spec_dst_slots: list[int] | None = None
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    meta: ForwardMeta
+    order: np.ndarray              # batch row i holds caller request order[i]
+    query_start_loc: np.ndarray
+
+
+def prepare_batch(reqs: list[BatchRequest], block_size: int, device: torch.device | str = "cpu",
+                  ) -> PreparedBatch:
+    q_lens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+    is_spec = np.array([r.spec_dst_slots is not None for r in reqs])
+    order = group_order(q_lens, is_spec)
+    reqs = [reqs[i] for i in order]
+    num_computed = np.array([r.num_computed for r in reqs], dtype=np.int64)
+    need = -(-(num_computed + q_lens[order]) // block_size)
+    have = np.array([len(r.block_ids) for r in reqs])
+    if np.any(need > have):
+        i = int(np.nonzero(need > have)[0][0])
+        raise ValueError(f"request {order[i]} needs {need[i]} KV blocks but has {have[i]}")
+    block_table = np.zeros((len(reqs), max(1, int(have.max(initial=1)))), dtype=np.int32)
+    for i, r in enumerate(reqs):
+        block_table[i, :len(r.block_ids)] = r.block_ids
+    ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
+    spec = [np.asarray(r.spec_dst_slots, dtype=np.int64) if r.spec_dst_slots is not None else None
+            for r in reqs]
+    st = build_step(ids, q_lens[order], num_computed, block_table,
+                    np.array([r.state_slot for r in reqs], dtype=np.int64), spec, block_size, device)
+    return PreparedBatch(st.input_ids, st.meta, order, st.query_start_loc)
+
+
+# ---- persistent per-request state of the model runner ------------------------------------
+class InputBatch:
+    """Host arrays indexed by row (one row per live request)."""
+
+    def __init__(self, max_reqs: int, max_model_len: int, max_blocks: int, slots_per_req: int) -> None:
+        self.max_reqs, self.max_model_len = max_reqs, max_model_len
+        self.token_ids = np.zeros((max_reqs, max_model_len + 16), dtype=np.int64)
+        self.num_tokens = np.zeros(max_reqs, dtype=np.int64)      # known tokens (no drafts)
+        self.num_prompt = np.zeros(max_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
+        self.state_slots = np.zeros((max_reqs, slots_per_req), dtype=np.int64)
+        self.cur_slot = np.zeros(max_reqs, dtype=np.int64)        # slot holding the current state
+        self.row_of: dict[str, int] = {}
+        self.params: dict[str, object] = {}                       # row -> SamplingParams etc.
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def add(self, req_id: str, token_ids: list[int], num_prompt: int, block_ids: list[int],
+            state_slots: list[int]) -> int:
+        if req_id in self.row_of:
+            raise RuntimeError(f"{req_id} is already in the batch")
+        if not self._free_rows:
+            raise RuntimeError("input batch is full")
+        row = self._free_rows.pop()
+        self.row_of[req_id] = row
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row], self.num_prompt[row] = n, num_prompt
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        if state_slots:
+            self.state_slots[row, :len(state_slots)] = state_slots
+            self.cur_slot[row] = state_slots[0]
+        return row
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        nb = int(self.num_blocks[row])
+        self.block_table[row, nb:nb + len(block_ids)] = block_ids
+        self.num_blocks[row] = nb + len(block_ids)
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self._free_rows.append(row)

@@ -41,3 +41,43 @@ def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slot
         ssm = torch.zeros(n_gdn, num_slots + 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim, dtype=torch.float32, device=device)
     return ModelCaches(k=k, v=v, conv=conv, ssm=ssm)
+
+
+class MemoryPlanError(ValueError):
+    """The cache cannot be sized as asked; the message says which setting to change."""
+
+
+def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers: int = 0,
+               ) -> tuple[int, int]:
+    """(num_kv_blocks, num_state_slots) for an EngineConfig.
+
+    Slots: max_num_seqs * (1 + k) unless set. Blocks: `num_kv_blocks` if set; on CUDA, what fits
+    in gpu_memory_utilization of the card after the weights and the state slots (a profiling
+    pass: the memory actually in use now, plus an activation reserve); on CPU, kv_cache_memory_gib
+    (default 4 GiB), never more than max_num_seqs full-length sequences need."""
+    mc, cc, sc = cfg.model, cfg.cache, cfg.scheduler
+    bs = cc.block_size
+    slots = cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)
+    per_block = max(1, kv_bytes_per_block(mc, bs, dtype, len(mc.attn_layer_ids) + extra_attn_layers))
+    blocks_per_seq = -(-(sc.max_model_len + cfg.num_spec_tokens + 1) // bs)
+    useful = sc.max_num_seqs * blocks_per_seq + 1
+    if cc.num_kv_blocks is not None:
+        blocks = cc.num_kv_blocks
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        state = (slots + 1) * state_bytes_per_slot(mc, dtype)
+        # activations of the largest step: logits rows, hidden states and the MLP / GDN
+        # intermediates of max_num_batched_tokens tokens (a generous bound)
+        act = sc.max_num_batched_tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * 4 * 2
+        act += sc.max_num_seqs * (1 + cfg.num_spec_tokens) * mc.vocab_size * 4 * 3
+        budget = int(total * cc.gpu_memory_utilization) - (total - free) - state - act
+        blocks = min(useful, budget // per_block)
+    else:
+        gib = cc.kv_cache_memory_gib if cc.kv_cache_memory_gib is not None else 4.0
+        blocks = min(useful, int(gib * GiB) // per_block)
+    if blocks * bs < sc.max_model_len:
+        raise MemoryPlanError(
+            f"the KV cache holds {max(blocks, 0)} blocks of {bs} tokens = {max(blocks, 0) * bs} tokens, "
+            f"less than one sequence of max_model_len={sc.max_model_len}: lower --max-model-len or give "
+            "the cache more memory (--num-kv-blocks / --kv-cache-memory-gib / --gpu-memory-utilization)")
+    return int(blocks), int(slots)

@@ -26,7 +26,7 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     v, g, beta = v.float(), g.float(), beta.float()
     S = state[src_slots]                             # [B, nv, dk, dv] (a copy)
     if has_initial_state is not None:
-        S = S * has_initial_state.to(S.dtype)[:, None, None, None]
+        S = torch.where(has_initial_state[:, None, None, None], S, 0.0)
     per_position = dst_slots.dim() == 2
     o = torch.empty(B, L, nv, dv, dtype=torch.float32, device=v.device)
     for t in range(L):

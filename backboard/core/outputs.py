@@ -1,0 +1,101 @@
+"""The contract between the scheduler and the worker (no tensors): SchedulerOutput in,
+ModelRunnerOutput back; and what the engine core hands the front end (EngineCoreOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backboard.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    token_ids: list[int]                 # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    state_slots: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: their new blocks and where they stand."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]          # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    spec_decode_tokens: dict[str, list[int]]      # req_id -> drafts verified this step
+    finished_req_ids: set[str]                    # finished / aborted / preempted: drop them
+    num_spec_tokens: int = 0                      # drafts to propose for the next step (k)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one position: the chosen token's and the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int                                     # 1 = most likely
+    top: list[tuple[int, float]]                  # [(token id, logprob)] best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]            # per request; [] when a prefill chunk ends mid-prompt
+    logprobs: list[list[TokenLogprobs] | None]    # per request, per sampled token
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None  # drafts proposed for the next step
+    num_draft_tokens: list[int] | None = None     # drafts verified this step, per request
+    num_accepted_tokens: list[int] | None = None  # of which accepted
+    accepted_per_position: list[int] | None = None  # over all requests: accepted at draft pos i
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None              # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    # timestamps (time.time()) for metrics
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    state_slot_usage: float = 0.0
+    num_preemptions_total: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_draft_time_s: float = 0.0
+    spec_verify_time_s: float = 0.0

@@ -1,0 +1,325 @@
+"""The scheduler: no phases. Each request's num_computed_tokens catches up to its num_tokens
+(+ drafts) under a token budget per step, so chunked prefill, decode, speculative verification and
+resumption after preemption are one path.
+
+Per step: running requests first (those in decode first, so a long prefill never starves them),
+then waiting ones while budget, sequence slots, KV blocks and state slots last. When KV blocks run
+out, the lowest-priority running request not yet scheduled this step (the latest arrival under
+FCFS) is preempted by recompute: its blocks and slots are freed and it goes back to the waiting
+queue with its tokens, to be prefilled again later."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+
+from backboard.config import SchedulerConfig
+from backboard.core.kv_cache_manager import KVCacheManager
+from backboard.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                    NewRequestData, SchedulerOutput, SchedulerStats)
+from backboard.core.state_pool import StatePool
+from backboard.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Requests ordered by (priority, arrival): lower priority value first (vLLM's convention);
+    under FCFS the priority is ignored. Preempted requests keep their place."""
+
+    def __init__(self, use_priority: bool) -> None:
+        self.use_priority = use_priority
+        self._items: list[tuple[int, int, Request]] = []
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+
+    def _key(self, r: Request) -> tuple[int, int]:
+        if r.request_id not in self._seq:
+            self._seq[r.request_id] = next(self._counter)
+        return (r.priority if self.use_priority else 0, self._seq[r.request_id])
+
+    def add(self, r: Request) -> None:
+        k = self._key(r)
+        bisect.insort(self._items, (k[0], k[1], r), key=lambda t: (t[0], t[1]))
+
+    def peek(self) -> Request:
+        return self._items[0][2]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[2]
+
+    def remove(self, r: Request) -> bool:
+        for i, t in enumerate(self._items):
+            if t[2] is r:
+                del self._items[i]
+                return True
+        return False
+
+    def forget(self, r: Request) -> None:
+        self._seq.pop(r.request_id, None)
+
+    def order_key(self, r: Request) -> tuple[int, int]:
+        return self._key(r)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (t[2] for t in self._items)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, block_size: int, num_blocks: int,
+                 num_state_slots: int | None, num_spec_tokens: int = 0) -> None:
+        self.cfg = cfg
+        self.num_spec_tokens = num_spec_tokens
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.states = (StatePool(num_state_slots, 1 + num_spec_tokens)
+                       if num_state_slots is not None else None)
+        self.waiting = WaitingQueue(cfg.policy == "priority")
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._runner_knows: set[str] = set()
+        self._finished_for_runner: set[str] = set()
+        self.num_preemptions_total = 0
+        self.spec_stats = SchedulerStats()
+
+    # ---- requests in and out --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens >= self.cfg.max_model_len:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens leaves no room in the context "
+                             f"of {self.cfg.max_model_len} tokens")
+        need = -(-(req.num_prompt_tokens + 1) // self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens needs {need} KV blocks; the "
+                             f"cache has {self.kv.pool.num_blocks}")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def finish_requests(self, req_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        ) -> list[EngineCoreOutput]:
+        """Abort (or stop, e.g. on a stop string) requests at any moment; frees everything."""
+        outs = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+            outs.append(self._output(req, []))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))
+
+    # ---- schedule ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        now = time.time()
+        scheduled: set[str] = set()
+        preemptions_before = self.num_preemptions_total
+
+        # 1. running requests, those in decode first (a long prefill never starves them)
+        for req in sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_tokens - 1):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                continue
+            new_blocks = self._allocate_or_preempt(req, n, scheduled)
+            if new_blocks is None:
+                continue
+            self._record(req, n, new_blocks, new_reqs, cached, num_scheduled, spec_tokens)
+            scheduled.add(req.request_id)
+            budget -= n
+
+        # 2. waiting requests (none after a preemption this step: the pool is tight)
+        while (self.num_preemptions_total == preemptions_before and len(self.waiting) and budget > 0
+               and len(self.running) < self.cfg.max_num_seqs):
+            req = self.waiting.peek()
+            if self.states is not None and not self.states.can_allocate():
+                break
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                break
+            new_blocks = self.kv.allocate(req, n)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if self.states is not None:
+                self.states.allocate(req)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            self._record(req, n, new_blocks, new_reqs, cached, num_scheduled, spec_tokens)
+            budget -= n
+
+        out = SchedulerOutput(
+            new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()), spec_decode_tokens=spec_tokens,
+            finished_req_ids=self._finished_for_runner, num_spec_tokens=self.num_spec_tokens)
+        self._finished_for_runner = set()
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens_with_spec - req.num_computed_tokens
+        if self.cfg.long_prefill_token_threshold > 0:
+            n = min(n, self.cfg.long_prefill_token_threshold)
+        # never past the context (drafts beyond it are dropped)
+        n = min(n, budget, self.cfg.max_model_len - req.num_computed_tokens)
+        return n
+
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str]) -> list[int] | None:
+        """Allocate blocks for n new tokens, preempting lower-priority running requests (not yet
+        scheduled this step) until it fits. None when req itself had to be preempted."""
+        while True:
+            new_blocks = self.kv.allocate(req, n)
+            if new_blocks is not None:
+                return new_blocks
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=self._priority_key)
+            self._preempt(victim)
+            if victim is req:
+                return None
+
+    def _priority_key(self, r: Request) -> tuple[int, int]:
+        """Larger = lower priority (preempted first)."""
+        return self.waiting.order_key(r)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.kv.free(req)
+        if self.states is not None and req.state_slots:
+            self.states.free(req)
+        if req.request_id in self._runner_knows:
+            self._runner_knows.discard(req.request_id)
+            self._finished_for_runner.add(req.request_id)
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+            self.waiting.forget(req)
+
+    def _record(self, req: Request, n: int, new_blocks: list[int], new_reqs: list[NewRequestData],
+                cached: CachedRequestData, num_scheduled: dict[str, int],
+                spec_tokens: dict[str, list[int]]) -> None:
+        rid = req.request_id
+        if rid in self._runner_knows:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        else:
+            self._runner_knows.add(rid)
+            new_reqs.append(NewRequestData(
+                req_id=rid, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params, eos_token_ids=tuple(req.eos_token_ids),
+                block_ids=list(req.block_ids), state_slots=list(req.state_slots),
+                num_computed_tokens=req.num_computed_tokens))
+        num_scheduled[rid] = n
+        num_spec = req.num_computed_tokens + n - req.num_tokens
+        if num_spec > 0:
+            spec_tokens[rid] = req.spec_token_ids[:num_spec]
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outs: list[EngineCoreOutput] = []
+        now = time.time()
+        for i, rid in enumerate(ro.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue   # aborted or preempted since it was scheduled
+            sampled = ro.sampled_token_ids[i]
+            drafts = so.spec_decode_tokens.get(rid)
+            if drafts and sampled:
+                req.num_computed_tokens -= len(drafts) + 1 - len(sampled)   # rejected drafts
+            new_tokens: list[int] = []
+            for t in sampled:
+                new_tokens.append(t)
+                if req.append_token(t):
+                    break
+            if new_tokens and req.first_token_time is None:
+                req.first_token_time = now
+            if ro.spec_token_ids is not None and not req.is_finished:
+                req.spec_token_ids = ro.spec_token_ids[i]
+            else:
+                req.spec_token_ids = []
+            lps = ro.logprobs[i][:len(new_tokens)] if ro.logprobs[i] is not None else None
+            plp = ro.prompt_logprobs.get(rid)
+            if req.is_finished:
+                self.running.remove(req)
+                self._release(req)
+            if new_tokens or req.is_finished or plp:
+                outs.append(self._output(req, new_tokens, lps, plp))
+        if ro.num_draft_tokens is not None:
+            self._update_spec_stats(ro)
+        return outs
+
+    def _update_spec_stats(self, ro: ModelRunnerOutput) -> None:
+        s = self.spec_stats
+        for nd, na in zip(ro.num_draft_tokens or [], ro.num_accepted_tokens or []):
+            if nd:
+                s.spec_num_drafts += 1
+                s.spec_num_draft_tokens += nd
+                s.spec_num_accepted_tokens += na
+        per = ro.accepted_per_position or []
+        if len(s.spec_accepted_per_position) < len(per):
+            s.spec_accepted_per_position += [0] * (len(per) - len(s.spec_accepted_per_position))
+        for j, a in enumerate(per):
+            s.spec_accepted_per_position[j] += a
+        s.spec_draft_time_s += ro.draft_time_s
+        s.spec_verify_time_s += ro.verify_time_s
+
+    def _output(self, req: Request, new_tokens: list[int], logprobs=None, prompt_logprobs=None,
+                ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.request_id, new_token_ids=new_tokens, new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs, finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time, num_preemptions=req.num_preemptions)
+
+    # ---- observability -------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        s = self.spec_stats
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            state_slot_usage=self.states.usage() if self.states is not None else 0.0,
+            num_preemptions_total=self.num_preemptions_total,
+            spec_num_drafts=s.spec_num_drafts, spec_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+            spec_accepted_per_position=list(s.spec_accepted_per_position),
+            spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s)
+
+    def check_integrity(self) -> None:
+        """Every block and slot is free or held by exactly one running request."""
+        for r in self.waiting:
+            if r.block_ids or r.state_slots:
+                raise AssertionError(f"waiting request {r.request_id} holds blocks or slots")
+        self.kv.check_integrity(self.running)
+        if self.states is not None:
+            self.states.check_integrity(self.running)
+        if len(self.running) > self.cfg.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")

@@ -1,0 +1,67 @@
+"""The engine loop: schedule -> execute -> update. Runs in-process for the offline LLM and in its
+own process behind the HTTP server (engine/async_engine.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from backboard.config import EngineConfig
+from backboard.core.outputs import EngineCoreOutput, SchedulerStats
+from backboard.core.scheduler import Scheduler
+from backboard.request import EngineCoreRequest, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig) -> None:
+        from backboard.worker.model_runner import ModelRunner
+
+        self.cfg = cfg
+        proposer = None
+        if cfg.spec is not None:
+            from backboard.spec import build_proposer
+
+            proposer = build_proposer(cfg)
+        self.runner = ModelRunner(cfg, proposer)
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache.block_size, self.runner.num_blocks,
+                                   self.runner.num_slots if cfg.model.is_hybrid else None,
+                                   cfg.num_spec_tokens)
+        self.num_steps = 0
+        self.num_tokens_generated = 0
+        self.num_prompt_tokens = 0
+
+    def add_request(self, ecr: EngineCoreRequest) -> None:
+        """Raises ValueError when the request cannot be served (e.g. it can never fit)."""
+        self.scheduler.add_request(Request(ecr, self.cfg.scheduler.max_model_len))
+        self.num_prompt_tokens += len(ecr.prompt_token_ids)
+
+    def abort_requests(self, req_ids) -> list[EngineCoreOutput]:
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, req_ids) -> list[EngineCoreOutput]:
+        """Finish requests the front end ended (a stop string matched)."""
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        ro = self.runner.execute_model(so)
+        outs = self.scheduler.update_from_output(so, ro)
+        self.num_steps += 1
+        self.num_tokens_generated += sum(len(o.new_token_ids) for o in outs)
+        if not self.scheduler.has_unfinished_requests():
+            self.scheduler.check_integrity()      # idle: every block and slot must be back
+        return outs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def describe(self) -> str:
+        r, c = self.runner, self.cfg
+        return (f"KV cache: {r.num_blocks} blocks x {c.cache.block_size} tokens = "
+                f"{r.num_blocks * c.cache.block_size} tokens; state slots: {r.num_slots} "
+                f"({c.scheduler.max_num_seqs} requests x {1 + c.num_spec_tokens}); "
+                f"max_model_len {c.scheduler.max_model_len}; device {c.device}; dtype {c.model.dtype}")

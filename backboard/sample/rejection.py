@@ -1,0 +1,74 @@
+"""Lossless speculative verification (rejection sampling), vectorised over all verify rows.
+
+Request i has L_i = 1 + k_i logit rows: row j < k_i judges draft j, the last row gives the bonus
+token. Draft j is accepted with probability min(1, p(d_j) / q(d_j)) (p the target's processed
+distribution, q the draft's; q is one-hot for greedy proposers); at the first rejection a token is
+drawn from the normalised residual max(p - q, 0); if all k_i are accepted, the bonus token is drawn
+from p at the last row. Greedy requests have a one-hot p, so this reduces to "accept while the
+draft equals the target's argmax". The output distribution is exactly the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backboard.ops.sampling import exponential_race, seeded_noise
+from backboard.sample.sampler import SamplingMetadata, process_logits, target_probs
+
+_ACCEPT_STREAM = 1 << 40   # offset of the acceptance stream of seeded rows
+
+
+def rejection_sample(p: torch.Tensor, draft_ids: torch.Tensor, has_draft: torch.Tensor,
+                     uniforms: torch.Tensor, noise: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row. p [R, V] target probs; draft_ids [R] (the draft this row judges; any value where
+    has_draft is False); uniforms [R] in [0, 1); noise [R, V] Exp(1); draft_probs [R, V] or None
+    (one-hot drafts). Returns accept [R] bool (False where no draft) and the token [R] to emit if
+    this row is the first rejected one (residual sample) or the bonus row (sample of p)."""
+    d = draft_ids.clamp(min=0).long()
+    p_d = p.gather(-1, d[:, None])[:, 0]
+    if draft_probs is None:
+        q_d = torch.ones_like(p_d)
+        q = torch.zeros_like(p).scatter_(-1, d[:, None], 1.0)
+    else:
+        q = draft_probs
+        q_d = q.gather(-1, d[:, None])[:, 0]
+    ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-30), torch.ones_like(p_d))
+    accept = has_draft & (uniforms < ratio.clamp(max=1.0))
+    residual = torch.where(has_draft[:, None], (p - q).clamp(min=0), p)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p, residual)
+    residual = residual / residual.sum(-1, keepdim=True)
+    return accept, exponential_race(residual, noise)
+
+
+def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, req_of: np.ndarray, plan, sampler,
+                  draft_probs: torch.Tensor | None = None) -> tuple[dict[int, list[int]], np.ndarray]:
+    """Every logit row of a step (plain requests have one row and no draft). Returns, per request
+    index, the tokens to append (accepted drafts + one) and the accepted draft counts [B]."""
+    R = logits.shape[0]
+    within = np.arange(R) - plan.logit_start[req_of]
+    k_of = np.array([len(plan.drafts[i]) for i in req_of], dtype=np.int64)
+    has_draft = within < k_of
+    draft_ids = np.array([plan.drafts[i][j] if j < k_of[n] else -1
+                          for n, (i, j) in enumerate(zip(req_of, within))], dtype=np.int64)
+    p = target_probs(process_logits(logits, md), md)
+    noise = sampler.noise(R, p.shape[1], md, p.device)
+    u = torch.rand(R, generator=sampler.generator, device=p.device)
+    for row, seed, pos in md.seeds or ():
+        u[row] = torch.exp(-seeded_noise(seed, pos + _ACCEPT_STREAM, 1, p.device)[0])
+    accept, token = rejection_sample(p, torch.from_numpy(draft_ids).to(p.device),
+                                     torch.from_numpy(has_draft).to(p.device), u, noise, draft_probs)
+    accept_l, token_l = accept.tolist(), token.tolist()
+    B = len(plan.rows)
+    accepted = np.zeros(B, dtype=np.int64)
+    out: dict[int, list[int]] = {}
+    for i in np.unique(req_of):
+        s = int(plan.logit_start[i])
+        k = len(plan.drafts[i])
+        a = 0
+        while a < k and accept_l[s + a]:
+            a += 1
+        accepted[i] = a
+        out[int(i)] = list(plan.drafts[i][:a]) + [token_l[s + a]]
+    return out, accepted

@@ -1,0 +1,109 @@
+"""The sampler: logits + per-row parameters -> token ids (and logprobs of the raw distribution).
+
+Order of processing (as in vLLM): min_tokens masking, penalties, then greedy rows take the argmax;
+random rows: temperature, min_p, top_k / top_p, and the exponential race with per-row noise
+(seeded rows: noise from (seed, position) alone)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backboard.core.outputs import TokenLogprobs
+from backboard.ops.sampling import (apply_min_p, apply_penalties, apply_top_k_top_p,
+                                    exponential_race, seeded_noise)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per logit row (R rows)."""
+
+    temperature: torch.Tensor                       # [R] fp32; < 1e-5 means greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None               # [R] int64, 0 = off
+    top_p: torch.Tensor | None = None               # [R] fp32
+    min_p: torch.Tensor | None = None               # [R] fp32
+    # penalties (None when no row uses them)
+    repetition: torch.Tensor | None = None          # [R]
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None         # [R, V] bool
+    output_counts: torch.Tensor | None = None       # [R, V] fp32
+    seeds: list[tuple[int, int, int]] | None = None  # (row, seed, position)
+    min_tokens_mask: list[tuple[int, list[int]]] | None = None  # (row, token ids to forbid)
+    num_logprobs: list[int] | None = None           # [R] top-n per row, -1 = none
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits the choice is made from (before temperature)."""
+    if md.min_tokens_mask:
+        logits = logits.clone()
+        for row, ids in md.min_tokens_mask:
+            logits[row, ids] = float("-inf")
+    if md.repetition is not None:
+        logits = apply_penalties(logits, md.prompt_mask, md.output_counts, md.repetition,
+                                 md.presence, md.frequency)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: softmax of the processed, tempered, truncated
+    logits. Greedy rows get a one-hot at their argmax. [R, V] fp32."""
+    greedy = md.temperature < 1e-5
+    temp = torch.where(greedy, torch.ones_like(md.temperature), md.temperature)
+    x = logits / temp[:, None]
+    if md.min_p is not None:
+        x = apply_min_p(x, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        x = apply_top_k_top_p(x, md.top_k, md.top_p)
+    probs = x.softmax(-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def noise(self, R: int, V: int, md: SamplingMetadata, device) -> torch.Tensor:
+        q = torch.empty(R, V, device=device).exponential_(generator=self.generator)
+        for row, seed, pos in md.seeds or ():
+            q[row] = seeded_noise(seed, pos, V, device)
+        return q
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logits [R, V] fp32 -> token ids [R]."""
+        processed = process_logits(logits, md)
+        if md.all_greedy:
+            return processed.argmax(-1)
+        probs = target_probs(processed, md)
+        return exponential_race(probs, self.noise(*probs.shape, md, probs.device))
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int],
+                     ) -> list[TokenLogprobs | None]:
+    """Logprobs of the raw model distribution: for row r with num_top[r] >= 0, the chosen
+    token's logprob and rank and the top-n. logits [R, V]; token_ids [R]."""
+    rows = [r for r, n in enumerate(num_top) if n >= 0]
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = token_ids[idx].long()
+    chosen_lp = lp.gather(-1, chosen[:, None])[:, 0]
+    ranks = (lp > chosen_lp[:, None]).sum(-1) + 1
+    n_max = max(num_top[r] for r in rows)
+    top_v, top_i = lp.topk(n_max, dim=-1) if n_max > 0 else (None, None)
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
+    top_vl = top_v.tolist() if top_v is not None else None
+    top_il = top_i.tolist() if top_i is not None else None
+    for j, r in enumerate(rows):
+        n = num_top[r]
+        top = list(zip(top_il[j][:n], top_vl[j][:n])) if n > 0 else []
+        out[r] = TokenLogprobs(chosen_l[j], chosen_lp_l[j], ranks_l[j], top)
+    return out

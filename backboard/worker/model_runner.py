@@ -1,0 +1,291 @@
+"""SchedulerOutput -> flat batch -> forward -> sampler -> ModelRunnerOutput.
+
+The common path only: speculative decoding (spec/), GDN state slots (the metadata here, the math
+in layers/) and CUDA graphs (worker/cuda_graph.py) live in their own modules."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backboard.config import EngineConfig
+from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from backboard.models.loader import load_model, torch_dtype
+from backboard.sample.rejection import verify_drafts
+from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
+from backboard.worker.forward_context import set_forward_context
+from backboard.worker.input_batch import InputBatch, StepInputs, build_step, group_order
+from backboard.worker.memory import allocate_caches, plan_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step's requests in batch order."""
+
+    req_ids: list[str]
+    rows: np.ndarray              # [B] input-batch rows
+    q_lens: np.ndarray            # [B]
+    num_computed: np.ndarray      # [B] before this step
+    drafts: list[list[int]]       # [B] drafts verified this step ([] for none)
+    samples: np.ndarray           # [B] bool: the step reaches the end of the known tokens
+    logit_rows: np.ndarray        # flat token rows that go through the LM head
+    logit_start: np.ndarray       # [B] first logit row of each request (valid where samples)
+    inputs: StepInputs
+
+
+class SamplingParamsTable:
+    """Per-row sampling parameters as arrays, so a step gathers them with one fancy index."""
+
+    FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency",
+              "seed", "logprobs", "prompt_logprobs", "min_tokens")
+
+    def __init__(self, max_reqs: int) -> None:
+        self.a = {f: np.zeros(max_reqs, dtype=np.float64) for f in self.FIELDS}
+        self.eos: list[list[int]] = [[] for _ in range(max_reqs)]
+
+    def set(self, row: int, sp, eos_token_ids) -> None:
+        a = self.a
+        a["temperature"][row] = sp.temperature
+        a["top_k"][row] = sp.top_k
+        a["top_p"][row] = sp.top_p
+        a["min_p"][row] = sp.min_p
+        a["repetition"][row] = sp.repetition_penalty
+        a["presence"][row] = sp.presence_penalty
+        a["frequency"][row] = sp.frequency_penalty
+        a["seed"][row] = -1 if sp.seed is None else sp.seed
+        a["logprobs"][row] = -1 if sp.logprobs is None else sp.logprobs
+        a["prompt_logprobs"][row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        a["min_tokens"][row] = sp.min_tokens
+        self.eos[row] = sorted(set(eos_token_ids) | set(sp.stop_token_ids or ()))
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, proposer=None) -> None:
+        self.cfg = cfg
+        mc = cfg.model
+        self.device = torch.device(cfg.device)
+        self.dtype = torch_dtype(mc.dtype)
+        t0 = time.time()
+        self.model = load_model(mc, str(self.device))
+        self.load_time_s = time.time() - t0
+        self.proposer = proposer
+        extra = proposer.num_extra_attn_layers if proposer is not None else 0
+        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra)
+        self.block_size = cfg.cache.block_size
+        self.caches = allocate_caches(mc, self.num_blocks, self.block_size, self.num_slots,
+                                      self.dtype, self.device, extra_attn_layers=extra)
+        sc = cfg.scheduler
+        k = cfg.num_spec_tokens
+        max_blocks = -(-(sc.max_model_len + k + 1) // self.block_size)
+        self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
+        self.params = SamplingParamsTable(sc.max_num_seqs)
+        self.sampler = Sampler(cfg.seed, self.device)
+        self.vocab_size = mc.vocab_size
+        if proposer is not None:
+            proposer.attach(self)
+
+    # ---- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [], [])
+        plan = self._prepare_inputs(so)
+        t0 = time.perf_counter()
+        with set_forward_context(plan.inputs.meta, self.caches):
+            hidden = self.model(plan.inputs.input_ids, plan.inputs.meta.positions)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(plan.logit_rows).to(self.device)])
+        sampled, lps, accepted = self._sample(plan, logits)
+        prompt_lps = self._prompt_logprobs(plan, hidden)
+        out = self._commit(plan, sampled, lps, accepted, prompt_lps)
+        out.verify_time_s = time.perf_counter() - t0 if any(plan.drafts) else 0.0
+        if self.proposer is not None:
+            t1 = time.perf_counter()
+            out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted, so.num_spec_tokens)
+            out.draft_time_s = time.perf_counter() - t1
+        return out
+
+    # ---- phases --------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        b = self.batch
+        for rid in so.finished_req_ids:
+            b.remove(rid)
+        for nr in so.new_reqs:
+            row = b.add(nr.req_id, nr.token_ids, nr.num_prompt_tokens, nr.block_ids, nr.state_slots)
+            self.params.set(row, nr.sampling_params, nr.eos_token_ids)
+        cr = so.cached_reqs
+        for rid, blocks in zip(cr.req_ids, cr.new_block_ids):
+            b.append_blocks(b.row_of[rid], blocks)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepPlan:
+        b = self.batch
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        drafts = [so.spec_decode_tokens.get(r, []) for r in req_ids]
+        is_spec = np.array([bool(d) for d in drafts])
+        order = group_order(q_lens, is_spec)
+        req_ids = [req_ids[i] for i in order]
+        rows, q_lens, is_spec = rows[order], q_lens[order], is_spec[order]
+        drafts = [drafts[i] for i in order]
+        # drafts sit after the known tokens in the token buffer (not counted in num_tokens)
+        for i in np.nonzero(is_spec)[0]:
+            r, n = rows[i], b.num_tokens[rows[i]]
+            b.token_ids[r, n:n + len(drafts[i])] = drafts[i]
+        num_computed = self._num_computed(so, req_ids)
+        tok_rows = np.repeat(rows, q_lens)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1], q_lens) + np.repeat(num_computed, q_lens)
+        input_ids = b.token_ids[tok_rows, pos]
+        max_nb = int(b.num_blocks[rows].max())
+        block_table = b.block_table[rows, :max_nb]
+        spec_dst = [self._verify_slots(rows[i], len(drafts[i]) + 1) if is_spec[i] else None
+                    for i in range(len(rows))]
+        inputs = build_step(input_ids, q_lens, num_computed, block_table, b.cur_slot[rows], spec_dst,
+                            self.block_size, self.device)
+        samples = num_computed + q_lens >= b.num_tokens[rows]
+        n_logits = np.where(samples, np.where(is_spec, q_lens, 1), 0)
+        logit_start = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(n_logits[:-1], out=logit_start[1:])
+        # rows of the LM head: each sampling request's last n_logits tokens
+        tok_end = np.repeat(qsl[1:], n_logits)
+        within = np.arange(int(n_logits.sum())) - np.repeat(logit_start, n_logits)
+        logit_rows = tok_end - np.repeat(n_logits, n_logits) + within
+        return StepPlan(req_ids, rows, q_lens, num_computed, drafts, samples, logit_rows,
+                        logit_start, inputs)
+
+    def _num_computed(self, so: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
+        known = {nr.req_id: nr.num_computed_tokens for nr in so.new_reqs}
+        cr = so.cached_reqs
+        known.update(zip(cr.req_ids, cr.num_computed_tokens))
+        return np.fromiter((known[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def _verify_slots(self, row: int, L: int) -> np.ndarray:
+        """Destination slot of the state after each verify row: the current slot first, then the
+        request's other slots (row j's state lands in dst[j]; no copy on acceptance)."""
+        slots = self.batch.state_slots[row]
+        cur = self.batch.cur_slot[row]
+        return np.concatenate([[cur], slots[slots != cur]])[:L]
+
+    def _sampling_metadata(self, plan: StepPlan) -> tuple[SamplingMetadata, np.ndarray]:
+        """Metadata for every logit row; also the row -> request index map."""
+        n_logits = np.where(plan.samples, np.where([bool(d) for d in plan.drafts], plan.q_lens, 1), 0)
+        req_of = np.repeat(np.arange(len(plan.rows)), n_logits)
+        brow = plan.rows[req_of]
+        a = self.params.a
+        dev = self.device
+        temp = a["temperature"][brow]
+        md = SamplingMetadata(temperature=torch.tensor(temp, dtype=torch.float32, device=dev),
+                              all_greedy=bool(np.all(temp < 1e-5)))
+        # position of the token each logit row chooses
+        within = np.arange(len(req_of)) - plan.logit_start[req_of]
+        choose_pos = plan.num_computed[req_of] + plan.q_lens[req_of] - n_logits[req_of] + within + 1
+        if not md.all_greedy:
+            if np.any(a["top_k"][brow] > 0):
+                md.top_k = torch.tensor(a["top_k"][brow], dtype=torch.int64, device=dev)
+            if np.any(a["top_p"][brow] < 1.0):
+                md.top_p = torch.tensor(a["top_p"][brow], dtype=torch.float32, device=dev)
+            if np.any(a["min_p"][brow] > 0.0):
+                md.min_p = torch.tensor(a["min_p"][brow], dtype=torch.float32, device=dev)
+            seeded = np.nonzero((a["seed"][brow] >= 0) & (temp >= 1e-5))[0]
+            md.seeds = [(int(i), int(a["seed"][brow[i]]), int(choose_pos[i])) for i in seeded]
+        if np.any((a["repetition"][brow] != 1) | (a["presence"][brow] != 0) | (a["frequency"][brow] != 0)):
+            self._penalty_metadata(md, brow, choose_pos)
+        n_out = choose_pos - self.batch.num_prompt[brow]      # outputs before this token
+        need_min = np.nonzero(n_out < a["min_tokens"][brow])[0]
+        if len(need_min):
+            md.min_tokens_mask = [(int(i), self.params.eos[brow[i]]) for i in need_min
+                                  if self.params.eos[brow[i]]]
+        md.num_logprobs = a["logprobs"][brow].astype(np.int64).tolist()
+        return md, req_of
+
+    def _penalty_metadata(self, md: SamplingMetadata, brow: np.ndarray, choose_pos: np.ndarray) -> None:
+        b, a, V, dev = self.batch, self.params.a, self.vocab_size, self.device
+        R = len(brow)
+        prompt_mask = torch.zeros(R, V, dtype=torch.bool)
+        counts = torch.zeros(R, V, dtype=torch.float32)
+        for i in range(R):   # one row per request with penalties: not per token
+            r, npr, end = brow[i], b.num_prompt[brow[i]], choose_pos[i]
+            prompt_mask[i, torch.from_numpy(b.token_ids[r, :npr])] = True
+            out = torch.from_numpy(b.token_ids[r, npr:end])
+            counts[i].index_add_(0, out, torch.ones(len(out)))
+        md.prompt_mask, md.output_counts = prompt_mask.to(dev), counts.to(dev)
+        md.repetition = torch.tensor(a["repetition"][brow], dtype=torch.float32, device=dev)
+        md.presence = torch.tensor(a["presence"][brow], dtype=torch.float32, device=dev)
+        md.frequency = torch.tensor(a["frequency"][brow], dtype=torch.float32, device=dev)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor):
+        """-> per request: sampled token lists, logprobs lists, number of accepted drafts."""
+        B = len(plan.rows)
+        sampled: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[TokenLogprobs] | None] = [None] * B
+        accepted = np.zeros(B, dtype=np.int64)
+        if len(plan.logit_rows) == 0:
+            return sampled, lps, accepted
+        md, req_of = self._sampling_metadata(plan)
+        if any(plan.drafts):
+            tokens, accepted = verify_drafts(logits, md, req_of, plan, self.sampler)
+        else:
+            ids = self.sampler(logits, md).tolist()
+            tokens = {int(req_of[j]): [ids[j]] for j in range(len(ids))}
+        want_lp = any(n >= 0 for n in md.num_logprobs)
+        for i, toks in tokens.items():
+            sampled[i] = toks
+        if want_lp:
+            chosen = torch.zeros(len(req_of), dtype=torch.int64, device=logits.device)
+            for i, toks in tokens.items():
+                s = plan.logit_start[i]
+                chosen[s:s + len(toks)] = torch.tensor(toks)
+            all_lps = compute_logprobs(logits, chosen, md.num_logprobs)
+            for i, toks in tokens.items():
+                s = plan.logit_start[i]
+                if all_lps[s] is not None:
+                    lps[i] = all_lps[s:s + len(toks)]
+        return sampled, lps, accepted
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, list]:
+        """For requests with prompt_logprobs: logprobs of prompt tokens 1.. computed this step."""
+        b, a = self.batch, self.params.a
+        out: dict[str, list] = {}
+        want = np.nonzero(a["prompt_logprobs"][plan.rows] >= 0)[0]
+        qsl = plan.inputs.query_start_loc
+        for i in want:
+            row, nc, q = plan.rows[i], plan.num_computed[i], plan.q_lens[i]
+            npr = int(b.num_prompt[row])
+            last = min(nc + q, npr - 1)          # positions nc .. last-1 predict prompt tokens
+            if last <= nc:
+                continue
+            h = hidden[qsl[i]:qsl[i] + (last - nc)]
+            nxt = torch.from_numpy(b.token_ids[row, nc + 1:last + 1]).to(self.device)
+            n = int(a["prompt_logprobs"][row])
+            out[plan.req_ids[i]] = compute_logprobs(self.model.compute_logits(h), nxt, [n] * len(nxt))
+        return out
+
+    def _commit(self, plan: StepPlan, sampled, lps, accepted, prompt_lps) -> ModelRunnerOutput:
+        """Write the new tokens into the batch; move GDN state pointers past accepted drafts."""
+        b = self.batch
+        for i, toks in enumerate(sampled):
+            if not toks:
+                continue
+            row = plan.rows[i]
+            n = b.num_tokens[row]
+            b.token_ids[row, n:n + len(toks)] = toks
+            b.num_tokens[row] = n + len(toks)
+            if plan.drafts[i]:
+                b.cur_slot[row] = self._verify_slots(row, len(plan.drafts[i]) + 1)[accepted[i]]
+        out = ModelRunnerOutput(req_ids=plan.req_ids, sampled_token_ids=sampled, logprobs=lps,
+                                prompt_logprobs=prompt_lps)
+        if any(plan.drafts):
+            out.num_draft_tokens = [len(d) for d in plan.drafts]
+            out.num_accepted_tokens = accepted.tolist()
+            k = max(len(d) for d in plan.drafts)
+            out.accepted_per_position = [int(np.sum((accepted > j) & np.array([len(d) > j for d in plan.drafts])))
+                                         for j in range(k)]
+        return out
