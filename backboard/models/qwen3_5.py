@@ -40,6 +40,19 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.nh, self.nkv, self.D, attn_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v, gate = self._project(x, positions)
+        return self._output(self.attn(q, k, v), gate)
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One whole sequence with plain causal attention and no cache (draft-head training)."""
+        q, k, v, gate = self._project(x, positions)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            enable_gqa=self.nh != self.nkv)
+        return self._output(o.transpose(0, 1), gate)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """-> q [T, nh, D], k/v [T, nkv, D] (normed, rotated), gate [T, nh, D] or None."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.gated:
@@ -47,11 +60,14 @@ class GatedAttention(nn.Module):
             q, gate = qg[..., :self.D], qg[..., self.D:]
         else:
             q, gate = q.view(T, self.nh, self.D), None
-        q = self.q_norm(q)                                      # [T, nh, D]
-        k = self.k_norm(k.view(T, self.nkv, self.D))            # [T, nkv, D]
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(T, self.nkv, self.D))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        o = self.attn(q.contiguous(), k.contiguous(), v.view(T, self.nkv, self.D))
+        return q.contiguous(), k.contiguous(), v.view(T, self.nkv, self.D), gate
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        T = o.shape[0]
         o = o.reshape(T, self.nh * self.D)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(T, self.nh * self.D))
@@ -88,9 +104,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps, dtype, zc)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, zc)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, dense: bool = False) -> torch.Tensor:
         x = self.input_layernorm(h)
-        x = self.linear_attn(x) if self.is_gdn else self.self_attn(x, positions)
+        if self.is_gdn:
+            x = self.linear_attn(x)
+        else:
+            x = (self.self_attn.forward_dense if dense else self.self_attn)(x, positions)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -18,7 +18,7 @@ import tempfile
 from typing import Any
 
 ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3")
-PRESETS = ("tiny", "demo")
+PRESETS = ("tiny", "demo", "small")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
@@ -106,6 +106,15 @@ def _text_config(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
             max_position_embeddings=32768, initializer_range=0.05, tie_word_embeddings=False)
         hybrid = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
                       linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    elif preset == "small":
+        # Qwen3.5-0.8B shapes (hidden 1024, 8/2 heads of 256, GDN 16/16 heads of 128, SwiGLU 3584)
+        # with 8 layers and a small vocabulary: the CPU benchmarks' model
+        base = dict(
+            vocab_size=vocab_size, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
+            max_position_embeddings=32768, initializer_range=0.02, tie_word_embeddings=True)
+        hybrid = dict(linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4)
     else:
         raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
     if arch == "qwen3":
@@ -115,7 +124,8 @@ def _text_config(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
                rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
                                 "partial_rotary_factor": 0.25})
     if arch in ("qwen3_5", "qwen3_5_text"):
-        cfg["rope_parameters"].update(mrope_section=[1, 1, 2] if cfg["head_dim"] == 32 else [2, 3, 3],
+        half = int(cfg["head_dim"] * 0.25) // 2           # rotary pairs, split over t / h / w
+        cfg["rope_parameters"].update(mrope_section=[half - 2 * (half // 3), half // 3, half // 3],
                                       mrope_interleaved=True)
     if arch == "qwen3_next":
         cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -1,0 +1,214 @@
+"""GPU-path selection: per call, a Triton kernel (ops/triton/) or its torch reference.
+
+Every entry point here has the signature of its torch reference and returns the same thing, so a
+layer calls `dispatch.x(...)` and never needs to know which one ran.
+
+Selection (`use_triton(*tensors)`), read at every call:
+  BACKBOARD_KERNELS=torch   always the torch reference
+  BACKBOARD_KERNELS=triton  always the Triton kernel; raises if triton cannot be imported, or if
+                            the tensors are not on CUDA and TRITON_INTERPRET=1 is not set (the
+                            interpreter runs kernels on CPU tensors: that is how tests run them)
+  BACKBOARD_KERNELS=auto    (default, or unset) Triton when the tensors are on CUDA and triton
+                            imports; the torch reference otherwise
+`override("torch" | "triton" | "auto")` does the same for a scope (benchmarks, tests) and wins
+over the environment.
+
+triton is never imported when this module is imported (it is a test-only dependency on a
+CPU install): the probe and the kernel modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.conv1d import causal_conv1d_update
+from backboard.ops.gdn.recurrent import gdn_recurrent
+from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
+from backboard.ops.norm import rms_norm as rms_norm_ref
+from backboard.ops.quant import int4_linear_ref, int8_linear_ref
+
+MODES = ("auto", "triton", "torch")
+ENV_VAR = "BACKBOARD_KERNELS"
+
+_override: str | None = None
+_triton_ok: bool | None = None          # cached result of the import probe
+
+
+# ---- selection ---------------------------------------------------------------------------------
+def kernel_mode() -> str:
+    """The mode in force: the innermost override(), else $BACKBOARD_KERNELS, else "auto"."""
+    if _override is not None:
+        return _override
+    mode = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET is set: Triton kernels run (slowly) on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_available() -> bool:
+    """triton imports (probed once, lazily)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            importlib.import_module("triton")
+            importlib.import_module("triton.language")
+            _triton_ok = True
+        except Exception:  # noqa: BLE001 - any import failure means no triton
+            _triton_ok = False
+    return _triton_ok
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernel should run for these input tensors (see the module docstring)."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+    if mode == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{ENV_VAR}=triton, but triton cannot be imported "
+                               "(pip install triton, or use BACKBOARD_KERNELS=torch)")
+        if not on_cuda and not interpreting():
+            devs = sorted({str(t.device) for t in tensors})
+            raise RuntimeError(f"{ENV_VAR}=triton with tensors on {devs}: Triton kernels need CUDA "
+                               "tensors, or TRITON_INTERPRET=1 to run on the CPU")
+        return True
+    return on_cuda and triton_available()
+
+
+@contextlib.contextmanager
+def override(mode: str) -> Iterator[None]:
+    """Force a mode for a scope: with dispatch.override("torch"): ..."""
+    global _override
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {', '.join(MODES)}; got {mode!r}")
+    prev, _override = _override, mode
+    try:
+        yield
+    finally:
+        _override = prev
+
+
+def _kernels(name: str):
+    """A kernel module of backboard.ops.triton, imported on first use."""
+    return importlib.import_module(f"backboard.ops.triton.{name}")
+
+
+# ---- torch references of the fused ops (compositions of the existing ops) ---------------------
+def gdn_decode_ref(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                   ssm_state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
+                   num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
+    """The GDN layer between in_proj and out_proj for B requests x L rows, as GatedDeltaNet does
+    it: conv (ops.conv1d) -> gating -> delta rule (ops.gdn.gdn_recurrent) -> gated norm.
+
+    proj: [B*L, C + nv*dv + 2*nv] = [qkv | z | b | a], C = 2*nk*dk + nv*dv; conv_weight: [C, K];
+    conv_state: [num_slots, K-1, C]; A_log, dt_bias: [nv]; norm_weight: [dv];
+    ssm_state: [num_slots, nv, dk, dv] fp32; src_slots: [B]; dst_slots: [B] (final state) or
+    [B, L] (state and conv window after every row); has_initial_state: [B] bool or None.
+    Both states are updated in place. Returns [B*L, nv*dv] in proj's dtype."""
+    nk, nv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    T = proj.shape[0]
+    B = src_slots.shape[0]
+    L = T // B
+    C = 2 * nk * dk + nv * dv
+    qkv, z, b, a = torch.split(proj, [C, nv * dv, nv, nv], dim=-1)
+    beta = b.float().sigmoid()                                                    # [T, nv]
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())            # [T, nv]
+    mixed = causal_conv1d_update(qkv.reshape(B, L, C), conv_weight, conv_state, src_slots,
+                                 dst_slots, has_initial_state)                    # [B, L, C]
+    q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
+    core = gdn_recurrent(q.reshape(B, L, nk, dk), k.reshape(B, L, nk, dk), v.reshape(B, L, nv, dv),
+                         g.view(B, L, nv), beta.view(B, L, nv), ssm_state, src_slots, dst_slots,
+                         has_initial_state)                                       # [B, L, nv, dv]
+    o = gated_rms_norm_ref(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv),
+                           norm_weight, eps, proj.dtype)
+    return o.reshape(T, nv * dv)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + residual (in the model dtype, as `h = h + x`); returns (rms_norm(r), r).
+    x, residual: [..., N]; weight: [N]."""
+    r = x + residual
+    return rms_norm_ref(r, weight, eps, zero_centered), r
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] gate | up -> silu(gate) * up [T, I] (as layers.mlp.MLP)."""
+    i = x.shape[-1] // 2
+    return F.silu(x[..., :i]) * x[..., i:]
+
+
+# ---- dispatching entry points (same signatures as the references) -----------------------------
+def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+               ssm_state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+               has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
+               num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
+    """See gdn_decode_ref."""
+    fn = _kernels("gdn_decode").gdn_decode if use_triton(proj) else gdn_decode_ref
+    return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, src_slots,
+              dst_slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float) -> torch.Tensor:
+    """See ops.attention.paged_attention_uniform: q [B, L, nh, D] -> [B, L, nh, D]."""
+    if use_triton(q):
+        return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
+                                                            seq_lens, max_seq_len, scale)
+    return paged_attention_uniform(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """See ops.norm.rms_norm."""
+    fn = _kernels("norm").rms_norm if use_triton(x) else rms_norm_ref
+    return fn(x, weight, eps, zero_centered)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See fused_add_rms_norm_ref: returns (normed, x + residual)."""
+    fn = _kernels("norm").fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref
+    return fn(x, residual, weight, eps, zero_centered)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """See ops.norm.gated_rms_norm (x, gate [T, nh, N])."""
+    fn = _kernels("norm").gated_rms_norm if use_triton(x) else gated_rms_norm_ref
+    return fn(x, gate, weight, eps, out_dtype)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """See silu_mul_ref: [T, 2I] -> [T, I]."""
+    return _kernels("activation").silu_mul(x) if use_triton(x) else silu_mul_ref(x)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """See ops.quant.int8_linear_ref: x [M, K] @ (int8 [N, K] * scale [N])^T -> [M, N]."""
+    fn = _kernels("quant_gemm").int8_linear if use_triton(x) else int8_linear_ref
+    return fn(x, q, scale)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """See ops.quant.int4_linear_ref: x [M, K] @ dequant(uint8 [N, K//2], [N, K//G])^T -> [M, N]."""
+    fn = _kernels("quant_gemm").int4_linear if use_triton(x) else int4_linear_ref
+    return fn(x, packed, scales, group_size)

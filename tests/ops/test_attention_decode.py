@@ -1,0 +1,91 @@
+"""Paged decode attention (Triton, split-K + reduce) against ops.attention.paged_attention_uniform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.triton import attention as ta
+
+
+def make_inputs(B, L, nh, nkv, D, bs, seq_lens, dtype, num_blocks=48):
+    k_cache = torch.randn(num_blocks, bs, nkv, D).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, nkv, D).to(dtype)
+    max_len = max(seq_lens)
+    per_req = -(-max_len // bs) + 1                                  # one spare column
+    perm = torch.randperm(num_blocks)[:B * per_req]                  # scattered blocks
+    block_table = perm.view(B, per_req).to(torch.int32)
+    q = torch.randn(B, L, nh, D).to(dtype)
+    return q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32), max_len
+
+
+CASES = [
+    # B, L, nh, nkv, D, bs, seq_lens, num_splits
+    (3, 1, 4, 2, 16, 4, [5, 37, 1], None),       # decode, r=2, a 1-token sequence, planned splits
+    (2, 3, 6, 2, 24, 8, [3, 29], 3),             # verify rows, r=3, D=24, seq_len == L, 3 splits
+    (2, 4, 2, 2, 32, 16, [20, 33], 1),           # r=1, one split (direct write)
+    (2, 2, 4, 1, 16, 4, [6, 9], 8),              # MQA (r=4), more splits than the short one needs
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=["decode", "verify-split3", "nosplit", "mqa-split8"])
+def test_paged_attention_decode_matches_reference(case, dtype, close):
+    B, L, nh, nkv, D, bs, seq_lens, splits = case
+    q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, bs, seq_lens, dtype)
+    ref = paged_attention_uniform(q, kc, vc, bt, seq, max_len, D ** -0.5)
+    out = ta.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, num_splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, ref, dtype)
+
+
+def test_int64_block_table_and_strided_query(close):
+    """q as a view with padded head stride (last dim contiguous), int64 block table."""
+    q, kc, vc, bt, seq, max_len = make_inputs(2, 2, 4, 2, 16, 4, [7, 13], torch.float32)
+    qbig = torch.randn(2, 2, 4, 32)
+    qbig[..., :16] = q
+    qv = qbig[..., :16]
+    out = ta.paged_attention_decode(qv, kc, vc, bt.long(), seq.long(), max_len, 0.25, num_splits=2)
+    close(out, paged_attention_uniform(q, kc, vc, bt, seq, max_len, 0.25))
+
+
+def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
+    B, L, nh, nkv, D = 2, 3, 4, 2, 16
+    q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, 4, [9, 14], torch.float32)
+    out = ta.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, num_splits=2)
+    # every row seeing the whole sequence (no per-row causal limit)
+    no_causal = torch.cat([paged_attention_uniform(q[:, t:t + 1], kc, vc, bt, seq, max_len, D ** -0.5)
+                           for t in range(L)], dim=1)
+    differs(out, no_causal)
+    # query head h reading KV head h % nkv instead of h // r: permute heads around the reference
+    r = nh // nkv
+    pi = torch.tensor([(h % nkv) * r + h // nkv for h in range(nh)])
+    qp = torch.empty_like(q)
+    qp[:, :, pi] = q
+    wrong = paged_attention_uniform(qp, kc, vc, bt, seq, max_len, D ** -0.5)[:, :, pi]
+    differs(out, wrong)
+
+
+def test_plan_splits():
+    cpu = torch.device("cpu")                                        # stands in for 4 SMs
+    assert ta.plan_splits(1, 1, 10, cpu) == 1                        # short: one split
+    assert ta.plan_splits(1, 1, 100_000, cpu) == 8                   # 2 waves over 4 "SMs"
+    assert ta.plan_splits(64, 4, 100_000, cpu) == 1                  # the batch fills the GPU
+
+
+def test_launcher_rejects_bad_arguments():
+    q, kc, vc, bt, seq, max_len = make_inputs(2, 1, 4, 2, 16, 4, [5, 9], torch.float32)
+    f = ta.paged_attention_decode
+    with pytest.raises(ValueError, match="multiple of num kv heads"):
+        f(q[:, :, :3], kc, vc, bt, seq, max_len, 1.0)
+    with pytest.raises(ValueError, match="same strides"):
+        f(q, kc, vc.transpose(0, 1).contiguous().transpose(0, 1), bt, seq, max_len, 1.0)
+    with pytest.raises(ValueError, match="covers"):
+        f(q, kc, vc, bt[:, :1], seq, max_len, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        f(q, kc, vc, bt, seq.float(), max_len, 1.0)
+    with pytest.raises(ValueError, match="head dim"):
+        f(q[..., :8].contiguous(), kc, vc, bt, seq, max_len, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        f(q, kc[:, :3].contiguous(), vc[:, :3].contiguous(), bt, seq, 6, 1.0)

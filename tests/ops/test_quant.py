@@ -1,0 +1,116 @@
+"""int8 / int4 weight formats (ops/quant.py) and the Triton weight-only matmuls against them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backboard.ops import quant
+from backboard.ops.triton import quant_gemm as qg
+
+
+# ---- the torch side: formats, quantizers, references ------------------------------------------
+def test_int4_packing_layout():
+    """Element 2j in the low nibble, 2j + 1 in the high nibble, stored as q + 8."""
+    w = torch.tensor([[-7.0, 0.0, 3.5, 7.0]])                      # one group of 4, scale 1
+    packed, scales = quant.quantize_int4(w, group_size=4)
+    assert scales.tolist() == [[1.0]]
+    # q = [-7, 0, 4 (round half to even), 7] -> u = [1, 8, 12, 15]
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[0x81, 0xFC]]
+    assert quant.dequantize_int4(packed, scales, 4).tolist() == [[-7.0, 0.0, 4.0, 7.0]]
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_error(group):
+    w = torch.randn(24, 256)
+    packed, scales = quant.quantize_int4(w, group)
+    assert packed.shape == (24, 128) and scales.shape == (24, 256 // group)
+    err = (quant.dequantize_int4(packed, scales, group) - w).abs()
+    step = scales.repeat_interleave(group, dim=1)
+    assert torch.all(err <= step / 2 + 1e-6)                         # within half a step
+    # values on the grid come back exactly
+    again = quant.dequantize_int4(*quant.quantize_int4(quant.dequantize_int4(packed, scales, group), group), group)
+    torch.testing.assert_close(again, quant.dequantize_int4(packed, scales, group))
+
+
+def test_int8_round_trip_and_zero_rows():
+    w = torch.randn(10, 64)
+    w[3] = 0
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale[3] == 0
+    err = (quant.dequantize_int8(q, scale) - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 + 1e-7)
+    y = quant.int8_linear_ref(torch.randn(2, 64), q, scale)
+    assert torch.all(y[:, 3] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_references_equal_dequantize_then_matmul(dtype, close, monkeypatch):
+    w, x = torch.randn(50, 128), torch.randn(3, 128).to(dtype)
+    q, s = quant.quantize_int8(w)
+    p, sc = quant.quantize_int4(w, 32, scale_dtype=torch.bfloat16)
+    want8 = (x.float() @ quant.dequantize_int8(q, s).t()).to(dtype)
+    want4 = (x.float() @ quant.dequantize_int4(p, sc, 32).t()).to(dtype)
+    close(quant.int8_linear_ref(x, q, s), want8, dtype)
+    close(quant.int4_linear_ref(x, p, sc, 32), want4, dtype)
+    monkeypatch.setattr(quant, "_SLAB_ELEMS", 128 * 7)                # slabs of 7 rows
+    close(quant.int8_linear_ref(x, q, s), want8, dtype)
+    close(quant.int4_linear_ref(x, p, sc, 32), want4, dtype)
+
+
+def test_quantizers_reject_bad_arguments():
+    with pytest.raises(ValueError, match="group_size"):
+        quant.quantize_int4(torch.randn(4, 96), 64)
+    with pytest.raises(ValueError, match="2-D float"):
+        quant.quantize_int8(torch.randint(0, 4, (4, 8)))
+    with pytest.raises(ValueError, match="K="):
+        quant.int8_linear_ref(torch.randn(2, 7), *quant.quantize_int8(torch.randn(4, 8)))
+
+
+# ---- the Triton kernels ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M,K", [(1, 256), (5, 200), (33, 256)])
+def test_int8_linear(M, K, dtype, close):
+    w = torch.randn(70, K)                                           # N not a tile multiple
+    q, s = quant.quantize_int8(w)
+    x = torch.randn(M, K).to(dtype)
+    out = qg.int8_linear(x, q, s)
+    assert out.shape == (M, 70) and out.dtype == dtype
+    close(out, quant.int8_linear_ref(x, q, s), dtype, rtol=2e-2 if dtype != torch.float32 else 1e-5,
+          atol=0.3 if dtype != torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_linear(group, dtype, close):
+    w = torch.randn(70, 256)
+    p, s = quant.quantize_int4(w, group)
+    x = torch.randn(5, 256).to(dtype)
+    out = qg.int4_linear(x, p, s, group)
+    close(out, quant.int4_linear_ref(x, p, s, group), dtype, rtol=2e-2 if dtype != torch.float32 else 1e-5,
+          atol=0.3 if dtype != torch.float32 else 1e-4)
+
+
+def test_comparisons_catch_plausible_bugs(differs):
+    w, x = torch.randn(40, 128), torch.randn(3, 128)
+    p, s = quant.quantize_int4(w, 32)
+    swapped = ((p & 0xF) << 4) | (p >> 4)                           # nibble order reversed
+    differs(qg.int4_linear(x, p, s, 32), quant.int4_linear_ref(x, swapped, s, 32), atol=1e-4, rtol=1e-5)
+    q, sc = quant.quantize_int8(w)
+    differs(qg.int8_linear(x, q, sc), x @ q.float().t(), atol=1e-4, rtol=1e-5)   # scale forgotten
+
+
+def test_kernels_reject_bad_arguments():
+    x = torch.randn(2, 256)
+    q, s = quant.quantize_int8(torch.randn(8, 256))
+    p, sc = quant.quantize_int4(torch.randn(8, 256), 64)
+    with pytest.raises(ValueError, match="group_size"):
+        qg.int4_linear(x, p, sc, 48)
+    with pytest.raises(ValueError, match="scales"):
+        qg.int4_linear(x, p, sc[:, :2].contiguous(), 64)
+    with pytest.raises(ValueError, match="int8"):
+        qg.int8_linear(x, q.to(torch.int16), s)
+    with pytest.raises(ValueError, match="shape"):
+        qg.int8_linear(x[:, :128], q, s)
+    with pytest.raises(ValueError, match="contiguous"):
+        qg.int8_linear(x, q.t().contiguous().t(), s)
