@@ -72,6 +72,9 @@ class Scheduler:
                  num_state_slots: int | None, num_spec_tokens: int = 0) -> None:
         self.cfg = cfg
         self.num_spec_tokens = num_spec_tokens
+        # with speculation, blocks for k more tokens than scheduled: the proposer writes its own
+        # KV cache up to k - 1 positions past the newest token
+        self.lookahead = num_spec_tokens
         self.kv = KVCacheManager(num_blocks, block_size)
         self.states = (StatePool(num_state_slots, 1 + num_spec_tokens)
                        if num_state_slots is not None else None)
@@ -153,7 +156,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 break
-            new_blocks = self.kv.allocate(req, n)
+            new_blocks = self.kv.allocate(req, n + self.lookahead)
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -187,7 +190,7 @@ class Scheduler:
         """Allocate blocks for n new tokens, preempting lower-priority running requests (not yet
         scheduled this step) until it fits. None when req itself had to be preempted."""
         while True:
-            new_blocks = self.kv.allocate(req, n)
+            new_blocks = self.kv.allocate(req, n + self.lookahead)
             if new_blocks is not None:
                 return new_blocks
             candidates = [r for r in self.running if r.request_id not in scheduled]

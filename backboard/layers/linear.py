@@ -27,3 +27,59 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}"
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 (group-quantized along K, symmetric) with fp32 accumulation: the draft
+    head's layers. Buffers: qweight uint8 [out, in // 2] (two nibbles per byte), scales
+    [out, in // group_size]; format in ops/quant.py."""
+
+    def __init__(self, in_features: int, out_features: int | list[int], group_size: int,
+                 scale_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.output_sizes = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        out = sum(self.output_sizes)
+        self.in_features, self.out_features, self.group_size = in_features, out, group_size
+        self.register_buffer("qweight", torch.zeros(out, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out, in_features // group_size, dtype=scale_dtype))
+
+    @classmethod
+    def from_linear(cls, lin: Linear, group_size: int) -> "Int4Linear":
+        from backboard.ops.quant import quantize_int4
+
+        m = cls(lin.in_features, lin.output_sizes, group_size)
+        m.qweight, m.scales = quantize_int4(lin.weight.detach(), group_size)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from backboard.ops import dispatch
+
+        shape = x.shape
+        y = dispatch.int4_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.group_size)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    split = Linear.split
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 with per-output-channel scales and fp32 accumulation (the draft LM head).
+    Returns fp32 (logits)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> "Int8Linear":
+        from backboard.ops.quant import quantize_int8
+
+        m = cls(w.shape[1], w.shape[0])
+        m.qweight, m.scales = quantize_int8(w.detach())
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from backboard.ops import dispatch
+
+        return dispatch.int8_linear(x.float(), self.qweight, self.scales)

@@ -43,7 +43,7 @@ class SamplingParamsTable:
     """Per-row sampling parameters as arrays, so a step gathers them with one fancy index."""
 
     FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency",
-              "seed", "logprobs", "prompt_logprobs", "min_tokens")
+              "seed", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens")
 
     def __init__(self, max_reqs: int) -> None:
         self.a = {f: np.zeros(max_reqs, dtype=np.float64) for f in self.FIELDS}
@@ -62,6 +62,7 @@ class SamplingParamsTable:
         a["logprobs"][row] = -1 if sp.logprobs is None else sp.logprobs
         a["prompt_logprobs"][row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         a["min_tokens"][row] = sp.min_tokens
+        a["max_tokens"][row] = sp.max_tokens if sp.max_tokens is not None else 1 << 40
         self.eos[row] = sorted(set(eos_token_ids) | set(sp.stop_token_ids or ()))
 
 
@@ -82,7 +83,8 @@ class ModelRunner:
                                       self.dtype, self.device, extra_attn_layers=extra)
         sc = cfg.scheduler
         k = cfg.num_spec_tokens
-        max_blocks = -(-(sc.max_model_len + k + 1) // self.block_size)
+        # + 2k: verify rows and the proposer's lookahead KV writes (see Scheduler.lookahead)
+        max_blocks = -(-(sc.max_model_len + 2 * k + 1) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
         self.params = SamplingParamsTable(sc.max_num_seqs)
         self.sampler = Sampler(cfg.seed, self.device)
@@ -104,10 +106,12 @@ class ModelRunner:
         sampled, lps, accepted = self._sample(plan, logits)
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, sampled, lps, accepted, prompt_lps)
-        out.verify_time_s = time.perf_counter() - t0 if any(plan.drafts) else 0.0
+        step_s = time.perf_counter() - t0
+        out.verify_time_s = step_s if any(plan.drafts) else 0.0
         if self.proposer is not None:
             t1 = time.perf_counter()
-            out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted, so.num_spec_tokens)
+            out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted,
+                                                       so.num_spec_tokens, step_s)
             out.draft_time_s = time.perf_counter() - t1
         return out
 
