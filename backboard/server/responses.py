@@ -1,0 +1,138 @@
+"""OpenAI response shapes, built as plain dicts (cheap to serialize for every streamed chunk):
+completions and chat completions (whole and chunked), usage, and both logprobs formats."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from backboard.core.outputs import TokenLogprobs
+
+_MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event: `data: {json}\\n\\n`."""
+    return b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- token text for logprobs ----------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted (byte-level BPE token strings -> raw bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenText:
+    """Token id -> the text logprobs show (the token decoded alone) and its exact bytes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self._bytes_map = _byte_decoder()
+        self.piece = lru_cache(maxsize=1 << 16)(self._piece)
+        self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+
+    def _piece(self, token_id: int) -> str:
+        return self.tok.id_to_piece(token_id)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        raw = self.tok.hf.convert_ids_to_tokens(token_id)
+        if isinstance(raw, str) and raw and all(ch in self._bytes_map for ch in raw) \
+                and token_id not in self.tok.hf.all_special_ids:
+            return [self._bytes_map[ch] for ch in raw]
+        return list(self.piece(token_id).encode("utf-8"))
+
+
+def _lp(x: float) -> float:
+    return max(float(x), _MIN_LOGPROB)
+
+
+def completion_logprobs(lps: list[TokenLogprobs], tt: TokenText, text_offset: int) -> tuple[dict, int]:
+    """OpenAI's completions format {tokens, token_logprobs, top_logprobs, text_offset}; returns it
+    and the text offset after these tokens (to continue across streamed chunks)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        piece = tt.piece(lp.token_id)
+        tokens.append(piece)
+        token_lps.append(_lp(lp.logprob))
+        top = {tt.piece(t): _lp(v) for t, v in lp.top}
+        top.setdefault(piece, _lp(lp.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}, text_offset
+
+
+def chat_logprobs(lps: list[TokenLogprobs], tt: TokenText) -> dict:
+    """OpenAI's chat format {content: [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = []
+    for lp in lps:
+        content.append({
+            "token": tt.piece(lp.token_id), "logprob": _lp(lp.logprob), "bytes": tt.bytes(lp.token_id),
+            "top_logprobs": [{"token": tt.piece(t), "logprob": _lp(v), "bytes": tt.bytes(t)}
+                             for t, v in lp.top]})
+    return {"content": content, "refusal": None}
+
+
+def prompt_logprobs(plps: list[dict[int, float] | None] | None, tt: TokenText) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, None (the first) or {id: {logprob, decoded_token}}."""
+    if plps is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": _lp(v), "decoded_token": tt.piece(t)}
+                                    for t, v in d.items()} for d in plps]
+
+
+# ---- bodies ------------------------------------------------------------------------------------
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None,
+                                        "tool_calls": []},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, text: str | None, first: bool, logprobs: dict | None,
+                      finish_reason: str | None, stop_reason: int | str | None = None) -> dict:
+    delta: dict[str, Any] = {}
+    if first:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def body(object_: str, request_id: str, created: int, model: str, choices: list[dict],
+         usage_: dict | None = None) -> dict:
+    d: dict[str, Any] = {"id": request_id, "object": object_, "created": created, "model": model,
+                         "choices": choices}
+    if usage_ is not None:
+        d["usage"] = usage_
+    return d

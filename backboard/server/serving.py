@@ -1,0 +1,317 @@
+"""/v1/completions and /v1/chat/completions: request -> engine -> JSON or an SSE stream.
+
+The response waits for the first token before it starts: an error before that point (the engine
+refusing the request, the engine dying) is an ordinary HTTP error, and the first chunk of a stream
+always carries a token. A client that goes away (while waiting, or mid-stream) aborts its request in
+the engine, which frees its KV blocks and state slots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from backboard.core.outputs import TokenLogprobs
+from backboard.engine.async_engine import (AsyncLLM, ChildDelta, EngineDeadError, RequestRejected,
+                                           RequestStream)
+from backboard.engine.output_processor import InputError
+from backboard.engine.tokenizer import TokenizerError
+from backboard.sampling_params import SamplingParams
+from backboard.server import responses as R
+from backboard.server.errors import APIError, bad_request, error_body
+from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+TIMING_HEADER = "x-backboard-timing"   # ask for the server-side timestamps in the usage chunk
+_INLINE_TOKENIZE_CHARS = 2048          # longer texts are tokenized off the event loop
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+@dataclass
+class _Kind:
+    """What differs between completions and chat completions."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+    chat: bool
+
+
+COMPLETION = _Kind("text_completion", "text_completion", "cmpl-", False)
+CHAT = _Kind("chat.completion", "chat.completion.chunk", "chatcmpl-", True)
+
+
+@dataclass
+class _Call:
+    """One HTTP generation call in flight."""
+
+    kind: _Kind
+    request_id: str
+    model: str
+    created: int
+    stream: RequestStream
+    include_usage: bool = False
+    continuous_usage: bool = False
+    want_timing: bool = False
+    first_chunk_time: float | None = None
+
+
+@dataclass
+class _Pending:
+    """A child's tokens not yet sent (stream interval > 1)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_logprobs: bool = False
+
+    def add(self, d: ChildDelta) -> None:
+        self.text.append(d.text)
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs is not None:
+            self.has_logprobs = True
+            self.logprobs.extend(d.logprobs)
+
+    def take(self) -> tuple[str, int, list[TokenLogprobs] | None]:
+        out = ("".join(self.text), self.num_tokens, self.logprobs if self.has_logprobs else None)
+        self.text, self.num_tokens, self.logprobs, self.has_logprobs = [], 0, [], False
+        return out
+
+
+class GenerationHandler:
+    def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.stream_interval = max(1, stream_interval)
+        self.tt = R.TokenText(tokenizer)
+        # one thread: the Rust tokenizer is not to be driven from several threads at once
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    # ---- entry points ------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
+        params = req.sampling_params()
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            text, ids = prompt, await self.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+        params = req.sampling_params()
+        conv = req.conversation()
+        kw = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kw["continue_final_message"] = True
+        add_gen = req.add_generation_prompt and not req.continue_final_message
+        try:
+            text = await self._off_loop(sum(len(m["content"]) for m in conv),
+                                        self.tokenizer.apply_chat_template, conv, add_gen, **kw)
+        except TokenizerError as e:
+            raise bad_request(str(e), "messages") from e
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                              "messages") from e
+        ids = await self.encode(text)
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text)
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def _off_loop(self, size: int, fn, *args, **kw):
+        if size <= _INLINE_TOKENIZE_CHARS:
+            return fn(*args, **kw)
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, lambda: fn(*args, **kw))
+
+    # ---- the common path ---------------------------------------------------------------------
+    async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
+                        ids: list[int], text: str | None) -> Response:
+        rid = kind.id_prefix + uuid.uuid4().hex
+        try:
+            stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival)
+        except InputError as e:
+            param = "max_tokens" if "max_tokens" in str(e) else ("messages" if kind.chat else "prompt")
+            raise bad_request(str(e), param) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from e
+        call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream,
+                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers)
+        first = await self._wait(stream.get(), raw, rid)
+        if first is None:
+            return Response(status_code=499)          # the client is gone (nobody reads this)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return SSEResponse(self._events(call, first), on_close=lambda: self.engine.abort(rid),
+                               headers=headers)
+        body = await self._wait(self._collect(call, first), raw, rid)
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
+
+    async def _wait(self, aw, raw: Request, rid: str):
+        """Await part of a request before its response starts. None: the client went away (the
+        request is aborted); the engine refusing it is a 400, the engine dying a 500."""
+        try:
+            return await _unless_disconnected(aw, raw)
+        except ClientGone:
+            self.engine.abort(rid)
+            return None
+        except RequestRejected as e:
+            raise bad_request(str(e), "prompt") from e
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from e
+        except BaseException:
+            self.engine.abort(rid)
+            raise
+
+    async def _collect(self, call: _Call, first: list[ChildDelta]) -> dict:
+        """Wait for the whole request; the non-streaming body."""
+        stream = call.stream
+        parent = stream.parent
+        lps: list[list[TokenLogprobs]] = [[] for _ in parent.children]
+        deltas = first
+        while deltas:
+            for d in deltas:
+                if d.logprobs:
+                    lps[d.index].extend(d.logprobs)
+            deltas = await stream.get()
+        choices = []
+        n_out = 0
+        for i, c in enumerate(parent.children):
+            o = c.out
+            n_out += len(o.token_ids)
+            want_lp = parent.params.logprobs is not None
+            if call.kind.chat:
+                lp = R.chat_logprobs(lps[i], self.tt) if want_lp else None
+                choice = R.chat_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
+            else:
+                lp = R.completion_logprobs(lps[i], self.tt, 0)[0] if want_lp else None
+                choice = R.completion_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
+            if parent.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = R.prompt_logprobs(parent.prompt_logprobs, self.tt)
+            choices.append(choice)
+        body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
+                      R.usage(stream.num_prompt_tokens, n_out))
+        if call.want_timing:
+            call.first_chunk_time = stream.timings.first_output
+            body["backboard_timing"] = self._timing(call)
+        return body
+
+    async def _events(self, call: _Call, first: list[ChildDelta]) -> AsyncIterator[bytes]:
+        """The SSE stream: token chunks (stream_interval tokens each; the last group and the
+        finish_reason always go out), then the usage chunk if asked, then [DONE]."""
+        stream = call.stream
+        n_children = len(stream.parent.children)
+        pending = [_Pending() for _ in range(n_children)]
+        started = [False] * n_children
+        offsets = [0] * n_children
+        sent_tokens = 0
+        deltas = first
+        try:
+            while deltas:
+                events = []
+                for d in deltas:
+                    p = pending[d.index]
+                    p.add(d)
+                    if p.num_tokens < self.stream_interval and d.finish_reason is None:
+                        continue
+                    if p.num_tokens == 0 and d.finish_reason is None:
+                        continue
+                    text, n, lps = p.take()
+                    sent_tokens += n
+                    choice = self._chunk_choice(call, d, text, lps, started, offsets)
+                    chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
+                    if call.continuous_usage:
+                        chunk["usage"] = R.usage(stream.num_prompt_tokens, sent_tokens)
+                    events.append(R.sse(chunk))
+                if events:
+                    if call.first_chunk_time is None:
+                        call.first_chunk_time = time.time()
+                    yield b"".join(events)
+                deltas = await stream.get()
+        except EngineDeadError as e:
+            yield R.sse(error_body(str(e), "server_error", code=500))
+            yield R.SSE_DONE
+            return
+        if call.include_usage:
+            final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
+                           R.usage(stream.num_prompt_tokens, sent_tokens))
+            if call.want_timing:
+                final["backboard_timing"] = self._timing(call)
+            yield R.sse(final)
+        yield R.SSE_DONE
+
+    def _chunk_choice(self, call: _Call, d: ChildDelta, text: str, lps, started: list[bool],
+                      offsets: list[int]) -> dict:
+        i = d.index
+        if call.kind.chat:
+            lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
+            first = not started[i]
+            started[i] = True
+            content = text if (text or first or d.finish_reason is None) else None
+            return R.chat_delta_choice(i, content, first, lp, d.finish_reason, d.stop_reason)
+        lp = None
+        if lps is not None:
+            lp, offsets[i] = R.completion_logprobs(lps, self.tt, offsets[i])
+        return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+
+    def _timing(self, call: _Call) -> dict[str, Any]:
+        d = call.stream.timings.as_dict()
+        d["first_chunk"] = call.first_chunk_time
+        return d
+
+
+async def _unless_disconnected(aw, raw: Request):
+    """Await `aw`, unless the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+async def _disconnected(raw: Request) -> None:
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs `on_close` (abort the request in the engine)
+    when it ends, whether it completed, the client went away, or the server is stopping."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", **(headers or {})})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except (RuntimeError, asyncio.CancelledError):
+                    pass

@@ -1,0 +1,94 @@
+"""In-process checks of the server's pieces (no engine process): the pipe framing, request
+translation, error descriptions, metrics from engine stats, and readiness before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from backboard.core.outputs import SchedulerStats, TokenLogprobs
+from backboard.engine.async_engine import EngineStats, FrameReader, frame
+from backboard.server import responses as R
+from backboard.server.errors import APIError, describe_validation_error
+from backboard.server.metrics import ServerMetrics
+from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_frames_survive_any_split():
+    msgs = [("step", list(range(n))) for n in (0, 1, 1000, 5)]
+    data = b"".join(frame(m) for m in msgs)
+    for cut in (1, 3, 7, 8, 9, 100, len(data)):
+        reader, got = FrameReader(), []
+        for i in range(0, len(data), cut):
+            got += reader.feed(data[i:i + cut])
+        assert got == msgs
+
+
+def test_request_translation():
+    sp = CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "stop": "a", "logprobs": 2,
+                                           "ignore_eos": True, "top_k": -1}).sampling_params()
+    assert sp.greedy and sp.stop == ["a"] and sp.logprobs == 2 and sp.ignore_eos and sp.top_k == 0
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 9, "max_completion_tokens": 4,
+                                                 "logprobs": True})
+    sp = chat.sampling_params()
+    assert sp.max_tokens == 4 and sp.logprobs == 0 and sp.temperature == 1.0
+    with pytest.raises(APIError) as e:
+        CompletionRequest.model_validate({"prompt": "x", "top_p": 2}).sampling_params()
+    assert e.value.status == 400 and e.value.param == "top_p"
+    assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).single_prompt() == [1, 2]
+
+
+def test_validation_error_description():
+    msg, param = describe_validation_error([{"type": "int_parsing", "loc": ("body", "max_tokens"),
+                                             "msg": "Input should be a valid integer", "input": "x"}])
+    assert param == "max_tokens" and "max_tokens" in msg
+    msg, param = describe_validation_error([{"type": "missing", "loc": ("body", "messages"), "msg": "x"}])
+    assert param == "messages" and "required" in msg
+
+
+def test_logprob_formats_clamp_and_offsets():
+    class Tok:
+        def id_to_piece(self, i):
+            return {1: "ab", 2: "c"}[i]
+
+    tt = R.TokenText(Tok())
+    lps = [TokenLogprobs(1, -0.5, 1, [(1, -0.5), (2, float("-inf"))]), TokenLogprobs(2, -1.0, 2, [(1, -0.1)])]
+    body, end = R.completion_logprobs(lps, tt, 10)
+    assert body["tokens"] == ["ab", "c"] and body["text_offset"] == [10, 12] and end == 13
+    assert body["top_logprobs"][0] == {"ab": -0.5, "c": -9999.0}
+    assert body["top_logprobs"][1] == {"ab": -0.1, "c": -1.0}
+    R.dumps(body)                                  # valid JSON (no -inf)
+
+
+def test_metrics_follow_engine_stats():
+    m = ServerMetrics("m", num_spec_tokens=2)
+
+    def stats(running, kv, drafts, per_pos, step_time, steps):
+        return EngineStats(SchedulerStats(num_running=running, kv_cache_usage=kv, spec_num_drafts=drafts,
+                                          spec_accepted_per_position=per_pos), steps, step_time)
+
+    m.update_engine(stats(3, 0.5, 4, [2, 1], 1.0, 10))
+    m.update_engine(stats(0, 0.0, 6, [3, 1], 1.5, 12))
+    text = m.render().decode()
+    assert 'backboard:num_requests_running{model_name="m"} 0.0' in text
+    assert 'backboard:spec_decode_num_drafts_total{model_name="m"} 6.0' in text
+    assert 'backboard:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0' in text
+    assert 'backboard:engine_step_time_seconds_total{model_name="m"} 1.5' in text
+    assert "_created" not in text
+
+
+def test_not_ready_is_503(server_model):
+    from fastapi.testclient import TestClient
+
+    from backboard.engine.tokenizer import Tokenizer
+    from backboard.server.api import ServerState, build_app
+
+    class Loading:
+        state, error, num_unfinished = "starting", None, 0
+
+    state = ServerState(Loading(), Tokenizer(server_model), ["m"], server_model, 512, ServerMetrics("m"))
+    client = TestClient(build_app(state))
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert client.get("/openapi.json").status_code == 200
