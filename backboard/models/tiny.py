@@ -225,10 +225,13 @@ def _add_mtp_shard(out_dir: str, sd: dict[str, Any]) -> None:
 
 def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3_5", preset: str = "tiny",
                           seed: int = 0, dtype: str = "float32", mtp: bool = True,
-                          max_shard_size: str | None = None) -> str:
+                          max_shard_size: str | None = None, init_std: float | None = None) -> str:
     """Write a deterministic checkpoint folder (config, safetensors, tokenizer, chat template).
 
-    Same arguments give the same bytes of weights. Returns out_dir."""
+    init_std overrides the preset's weight scale: small values (transformers' default 0.02) give a
+    model whose next token depends mostly on the current one, with a learnable structure that
+    speculative-decoding tests need; the default keeps layers strong so parity tests see every
+    layer. Same arguments give the same bytes of weights. Returns out_dir."""
     import torch
 
     if arch not in ARCHS:
@@ -242,6 +245,8 @@ def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3_5", preset: str = "ti
         with open(os.path.join(tmp, "tokenizer.json")) as f:
             added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
         text_cfg = _text_config(arch, preset, vocab_size=_round_up(tok_size, 64))
+        if init_std is not None:
+            text_cfg["initializer_range"] = init_std
         torch.manual_seed(seed)
         model = _hf_model(arch, text_cfg, eos_id=added["<|im_end|>"], pad_id=added["<|endoftext|>"])
         _randomise_norms(model, seed)

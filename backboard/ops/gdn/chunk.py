@@ -65,8 +65,10 @@ def gdn_chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     kb = kc * bc[..., None]
     A = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
     M = A + torch.eye(C, dtype=A.dtype, device=dev)
-    W = torch.linalg.solve_triangular(M, kb * c.exp()[..., None], upper=False, unitriangular=True)
-    U = torch.linalg.solve_triangular(M, vc * bc[..., None], upper=False, unitriangular=True)
+    dk = kc.shape[-1]
+    WU = torch.linalg.solve_triangular(M, torch.cat([kb * c.exp()[..., None], vc * bc[..., None]], -1),
+                                       upper=False, unitriangular=True)
+    W, U = WU[..., :dk], WU[..., dk:]
     attn = (qc @ kc.transpose(-1, -2)) * decay                  # includes the diagonal
     q_dec = qc * c.exp()[..., None]
     k_dec = kc * (c[..., -1:] - c).exp()[..., None]
