@@ -3,8 +3,10 @@ quantize it to 4 bits.
 
 The teacher is the target itself: for a sequence t_0..t_{L-1} its final-normed hidden states h_i
 and next-token distributions p_i. The head at position i sees (embed(t_{i+1}), h_i) and is trained
-to match p_{i+1} (the distribution of t_{i+2}): loss = KL(p_{i+1} || head). Only the head learns;
-the embedding and LM head stay the target's."""
+to match p_{i+1} (the distribution of t_{i+2}): the cross-entropy of the head against p_{i+1}
+restricted to its top-k tokens (sparse distillation; KL up to a constant). Only the head learns;
+the embedding and LM head stay the target's. The teacher is frozen, so its outputs for a pool of
+training batches are computed once."""
 
 from __future__ import annotations
 
@@ -68,18 +70,30 @@ def init_head(cfg: ModelConfig, init: str, seed: int) -> MTPHead:
     return head.train()
 
 
-def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, logits: torch.Tensor,
-              ) -> tuple[torch.Tensor, float]:
-    """KL(teacher || head) over every position with a teacher, and the top-1 agreement."""
+TOPK = 32   # teacher distributions are kept as their top-k (sparse distillation)
+
+
+def teacher_targets(teacher: "Teacher", seqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> hidden [B, L, H], top-k teacher log-probs [B, L, K] (renormalised) and their ids."""
+    h, logits = teacher(seqs)
+    lp = logits.float().log_softmax(-1)
+    top_v, top_i = lp.topk(min(TOPK, lp.shape[-1]), dim=-1)
+    return h, top_v.log_softmax(-1), top_i
+
+
+def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: torch.Tensor,
+              top_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the head against the teacher's (top-k) distribution of the token after
+    next, over every position with a teacher; and the top-1 agreement."""
     B, L = seqs.shape
     ids = torch.from_numpy(seqs)
     pos = torch.arange(L - 1)
     outs = [head(target.embed_tokens(ids[b, 1:]), h[b, :-1], pos, dense=True) for b in range(B)]
-    draft = F.linear(torch.cat(outs), target.lm_head.weight).float()           # [B*(L-1), V]
-    teacher = logits[:, 1:].reshape(-1, logits.shape[-1])
-    lp_t = teacher.log_softmax(-1)
-    loss = (lp_t.exp() * (lp_t - draft.log_softmax(-1))).sum(-1).mean()
-    agree = (draft.argmax(-1) == teacher.argmax(-1)).float().mean().item()
+    draft = F.linear(torch.cat(outs), target.lm_head.weight).float().log_softmax(-1)   # [B*(L-1), V]
+    t_lp = top_lp[:, 1:].reshape(-1, top_lp.shape[-1])
+    t_ids = top_ids[:, 1:].reshape(-1, top_ids.shape[-1])
+    loss = -(t_lp.exp() * draft.gather(-1, t_ids)).sum(-1).mean()
+    agree = (draft.argmax(-1) == t_ids[:, 0]).float().mean().item()
     return loss, agree
 
 
@@ -109,7 +123,7 @@ def self_generated_text(model_path: str, num: int, max_tokens: int, seed: int) -
 
 def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.0, steps: int | None = None,
                      seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3, group_size: int = 64,
-                     init: str = "mtp", seed: int = 0, log=print) -> dict:
+                     init: str = "mtp", seed: int = 0, pool_batches: int = 32, log=print) -> dict:
     """Train, quantize, save; returns statistics (steps, loss, top-1 agreement of the float and
     the int4 head with the teacher on held-out text)."""
     torch.manual_seed(seed)
@@ -125,17 +139,18 @@ def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.
     head = init_head(cfg, init, seed)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
-    batches = _batches(train_ids, seq_len, batch_size, rng)
+    # the teacher is frozen: its outputs for a pool of batches are computed once and reused
+    pool = [next(_batches(train_ids, seq_len, batch_size, rng)) for _ in range(pool_batches)]
+    cached = [(seqs, *teacher_targets(teacher, seqs)) for seqs in pool]
     t0 = time.time()
     step, loss_v, agree = 0, math.nan, 0.0
     total = steps if steps is not None else 10 ** 9
     while step < total and (steps is not None or time.time() - t0 < minutes * 60):
-        seqs = next(batches)
-        h, logits = teacher(seqs)
-        for g in opt.param_groups:   # cosine decay over the step budget (or the time budget)
-            frac = step / total if steps is not None else (time.time() - t0) / (minutes * 60)
+        seqs, h, top_lp, top_ids = cached[step % len(cached)]
+        frac = step / total if steps is not None else (time.time() - t0) / (minutes * 60)
+        for g in opt.param_groups:   # cosine decay over the step (or time) budget
             g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-        loss, agree = head_loss(head, target, seqs, h, logits)
+        loss, agree = head_loss(head, target, seqs, h, top_lp, top_ids)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -147,10 +162,10 @@ def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.
     held = next(_batches(held_ids, seq_len, min(batch_size, 4), np.random.default_rng(seed + 1)))
     head.eval()
     with torch.no_grad():
-        h, logits = teacher(held)
-        _, agree_fp = head_loss(head, target, held, h, logits)
+        targets = teacher_targets(teacher, held)
+        _, agree_fp = head_loss(head, target, held, *targets)
         groups = quantize_head(head, group_size)
-        _, agree_q = head_loss(head, target, held, h, logits)
+        _, agree_q = head_loss(head, target, held, *targets)
     stats = {"steps": step, "train_seconds": round(time.time() - t0, 1), "final_loss": loss_v,
              "heldout_top1_agreement_float": agree_fp, "heldout_top1_agreement_int4": agree_q,
              "tokens": int(len(ids))}
