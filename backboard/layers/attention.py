@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv
+from backboard.ops import dispatch
+from backboard.ops.attention import paged_attention_prefill, write_kv
 from backboard.worker.forward_context import get_forward_context
 
 
@@ -28,8 +29,8 @@ class PagedAttention(nn.Module):
             rs, re = g.req_start, g.req_end
             qg = q[g.tok_start:g.tok_end].view(g.num_reqs, g.L, self.num_heads, self.head_dim)
             max_len = int(meta.seq_lens_cpu[rs:re].max())
-            og = paged_attention_uniform(qg, k_cache, v_cache, meta.block_table[rs:re],
-                                         meta.seq_lens[rs:re], max_len, self.scale)
+            og = dispatch.paged_attention_decode(qg, k_cache, v_cache, meta.block_table[rs:re],
+                                                 meta.seq_lens[rs:re], max_len, self.scale)
             out[g.tok_start:g.tok_end] = og.reshape(-1, self.num_heads, self.head_dim)
         qsl = meta.query_start_loc_cpu
         for r in range(meta.prefill_start, meta.num_reqs):

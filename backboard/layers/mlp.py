@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backboard.layers.linear import Linear
+from backboard.ops import dispatch
 
 
 class MLP(nn.Module):
@@ -19,8 +20,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[..., :self.inter]) * gu[..., self.inter:])
+        return self.down_proj(dispatch.silu_mul(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):

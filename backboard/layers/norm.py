@@ -1,11 +1,11 @@
-"""RMSNorm modules (fp32 math, cast back)."""
+"""RMSNorm modules (fp32 math, cast back); a Triton kernel on the GPU (ops/dispatch)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from backboard.ops.norm import gated_rms_norm, rms_norm
+from backboard.ops import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -16,17 +16,8 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered = eps, zero_centered
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.zero_centered)
-
-
-class GatedRMSNorm(nn.Module):
-    """The GDN output norm: rmsnorm(x) * w * silu(z), plain w (weights near 1)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps, self.dtype = eps, dtype
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, self.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return dispatch.rms_norm(x, self.weight, self.eps, self.zero_centered)
+        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)

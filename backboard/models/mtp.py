@@ -38,7 +38,8 @@ class MTPHead(nn.Module):
         """embeds, hidden [T, H] -> the head's normed hidden state [T, H]. dense=True: one whole
         sequence with plain causal attention and no cache (training)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        return self.norm(self.layers[0](x, positions, dense=dense))
+        h, residual = self.layers[0](x, None, positions, dense=dense)
+        return self.norm(h, residual)[0]
 
     # ---- weights ---------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, WeightSpec]:

@@ -104,14 +104,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps, dtype, zc)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, zc)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (mlp output, residual): the residual add is fused into the next norm
+        (x + residual is rounded to the model dtype first, exactly as `h = h + x`)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
         if self.is_gdn:
             x = self.linear_attn(x)
         else:
             x = (self.self_attn.forward_dense if dense else self.self_attn)(x, positions)
-        h = h + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 def layer_weight_specs(cfg: ModelConfig, layer: DecoderLayer, src: str, dst: str) -> dict[str, WeightSpec]:
@@ -149,7 +155,8 @@ def _gdn_specs(cfg: ModelConfig, gdn: GatedDeltaNet, src: str, dst: str) -> dict
     H, nk, nv, dk, dv = cfg.hidden_size, gdn.nk, gdn.nv, gdn.dk, gdn.dv
     K = cfg.linear_conv_kernel_dim
     specs = {f"{dst}.conv1d_weight": WeightSpec(
-        [(f"{src}.conv1d.weight", (gdn.conv_dim, 1, K))], lambda ts: ts[0].reshape(ts[0].shape[0], -1))}
+        [(f"{src}.conv1d.weight", (gdn.conv_dim, 1, K))], lambda ts: ts[0].reshape(ts[0].shape[0], -1)),
+        f"{dst}.norm_weight": WeightSpec.same(f"{src}.norm.weight", (dv,))}
     if cfg.gdn_projection_layout == "split":
         specs[f"{dst}.in_proj.weight"] = WeightSpec.cat(
             [(f"{src}.in_proj_qkv.weight", (gdn.conv_dim, H)), (f"{src}.in_proj_z.weight", (nv * dv, H)),
@@ -200,9 +207,10 @@ class Qwen3_5ForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, H]."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
-            h = layer(h, positions)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] (only the rows that need logits) -> fp32 logits [R, V]."""

@@ -25,11 +25,11 @@ import os
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
+from backboard.ops.activation import silu_mul_ref
 from backboard.ops.attention import paged_attention_uniform
-from backboard.ops.conv1d import causal_conv1d_update
-from backboard.ops.gdn.recurrent import gdn_recurrent
+from backboard.ops.gdn.decode import gdn_decode_ref
+from backboard.ops.norm import fused_add_rms_norm_ref
 from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
 from backboard.ops.norm import rms_norm as rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
@@ -104,53 +104,6 @@ def override(mode: str) -> Iterator[None]:
 def _kernels(name: str):
     """A kernel module of backboard.ops.triton, imported on first use."""
     return importlib.import_module(f"backboard.ops.triton.{name}")
-
-
-# ---- torch references of the fused ops (compositions of the existing ops) ---------------------
-def gdn_decode_ref(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-                   A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
-                   ssm_state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                   has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
-                   num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
-    """The GDN layer between in_proj and out_proj for B requests x L rows, as GatedDeltaNet does
-    it: conv (ops.conv1d) -> gating -> delta rule (ops.gdn.gdn_recurrent) -> gated norm.
-
-    proj: [B*L, C + nv*dv + 2*nv] = [qkv | z | b | a], C = 2*nk*dk + nv*dv; conv_weight: [C, K];
-    conv_state: [num_slots, K-1, C]; A_log, dt_bias: [nv]; norm_weight: [dv];
-    ssm_state: [num_slots, nv, dk, dv] fp32; src_slots: [B]; dst_slots: [B] (final state) or
-    [B, L] (state and conv window after every row); has_initial_state: [B] bool or None.
-    Both states are updated in place. Returns [B*L, nv*dv] in proj's dtype."""
-    nk, nv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-    T = proj.shape[0]
-    B = src_slots.shape[0]
-    L = T // B
-    C = 2 * nk * dk + nv * dv
-    qkv, z, b, a = torch.split(proj, [C, nv * dv, nv, nv], dim=-1)
-    beta = b.float().sigmoid()                                                    # [T, nv]
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())            # [T, nv]
-    mixed = causal_conv1d_update(qkv.reshape(B, L, C), conv_weight, conv_state, src_slots,
-                                 dst_slots, has_initial_state)                    # [B, L, C]
-    q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
-    core = gdn_recurrent(q.reshape(B, L, nk, dk), k.reshape(B, L, nk, dk), v.reshape(B, L, nv, dv),
-                         g.view(B, L, nv), beta.view(B, L, nv), ssm_state, src_slots, dst_slots,
-                         has_initial_state)                                       # [B, L, nv, dv]
-    o = gated_rms_norm_ref(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv),
-                           norm_weight, eps, proj.dtype)
-    return o.reshape(T, nv * dv)
-
-
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = x + residual (in the model dtype, as `h = h + x`); returns (rms_norm(r), r).
-    x, residual: [..., N]; weight: [N]."""
-    r = x + residual
-    return rms_norm_ref(r, weight, eps, zero_centered), r
-
-
-def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] gate | up -> silu(gate) * up [T, I] (as layers.mlp.MLP)."""
-    i = x.shape[-1] // 2
-    return F.silu(x[..., :i]) * x[..., i:]
 
 
 # ---- dispatching entry points (same signatures as the references) -----------------------------

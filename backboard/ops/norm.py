@@ -24,3 +24,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(out_dtype)
     y = weight * y
     return (y.float() * F.silu(gate.float())).to(out_dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + residual (in the model dtype, as `h = h + x`); returns (rms_norm(r), r).
+    x, residual: [..., N]; weight: [N]."""
+    r = x + residual
+    return rms_norm(r, weight, eps, zero_centered), r

@@ -1,5 +1,5 @@
 """The fused GDN decode / verify step (two Triton kernels) against the composition of the torch
-ops (dispatch.gdn_decode_ref): output, conv states and recurrent states of every slot."""
+ops (ops.gdn.decode.gdn_decode_ref): output, conv states and recurrent states of every slot."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from backboard.ops.conv1d import causal_conv1d_update
-from backboard.ops.dispatch import gdn_decode_ref
+from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.gdn.recurrent import gdn_recurrent
 from backboard.ops.norm import gated_rms_norm
 from backboard.ops.triton import gdn_decode as gk

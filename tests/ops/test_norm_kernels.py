@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backboard.ops.dispatch import fused_add_rms_norm_ref, silu_mul_ref
+from backboard.ops.activation import silu_mul_ref
+from backboard.ops.norm import fused_add_rms_norm_ref
 from backboard.ops.norm import gated_rms_norm, rms_norm
 from backboard.ops.triton import activation as tact
 from backboard.ops.triton import norm as tn

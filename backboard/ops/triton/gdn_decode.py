@@ -23,7 +23,7 @@ Both kernels read the source slot into registers before writing any destination 
 destination may equal the source (plain decode: dst_slots = src_slots). Different requests must
 not share slots (one request's destination being another's source would race).
 
-Rounding follows the torch composition (backboard.ops.dispatch.gdn_decode_ref): conv output and
+Rounding follows the torch composition (backboard.ops.gdn.decode.gdn_decode_ref): conv output and
 core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm.
 """
 

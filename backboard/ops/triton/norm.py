@@ -1,6 +1,6 @@
 """RMS norms: plain / zero-centred RMSNorm, fused residual add + RMSNorm, and the gated RMSNorm
 of the GDN output. fp32 math, rounded like the torch references in ops/norm.py (and
-ops/dispatch.fused_add_rms_norm_ref for the residual add, which rounds x + residual to the model
+ops/norm.fused_add_rms_norm_ref for the residual add, which rounds x + residual to the model
 dtype before normalising, as `h = h + x` does in the model)."""
 
 from __future__ import annotations
