@@ -346,6 +346,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None            # defaults to the model folder
+    enforce_eager: bool = False             # no CUDA graphs
 
     @property
     def num_spec_tokens(self) -> int:
@@ -359,7 +360,7 @@ class EngineConfig:
                speculative_config: Any = None, device: str = "auto", seed: int = 0,
                served_model_name: str | None = None, tokenizer: str | None = None,
                scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0,
-               ) -> "EngineConfig":
+               enforce_eager: bool = False) -> "EngineConfig":
         mc = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if max_model_len is None:
             # a sensible default context on small machines; the model's own limit otherwise
@@ -387,6 +388,7 @@ class EngineConfig:
             seed=seed,
             served_model_name=served_model_name,
             tokenizer=tokenizer,
+            enforce_eager=enforce_eager,
         )
 
 

@@ -7,20 +7,24 @@ import sys
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine settings shared by `generate` and `serve`."""
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--speculative-config", default=None,
+    """Engine settings shared by `generate` and `serve` (the keywords of EngineConfig.create)."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None)
+    e.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    e.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -29,7 +33,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 speculative_config=args.speculative_config, device=args.device, seed=args.seed,
-                tokenizer=args.tokenizer)
+                tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enforce_eager=args.enforce_eager)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -24,14 +24,15 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, seed: int = 0,
                  speculative_config: Any = None, device: str = "auto",
-                 scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0) -> None:
+                 scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0,
+                 enforce_eager: bool = False) -> None:
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
             gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
             device=device, seed=seed, tokenizer=tokenizer, scheduling_policy=scheduling_policy,
-            long_prefill_token_threshold=long_prefill_token_threshold)
+            long_prefill_token_threshold=long_prefill_token_threshold, enforce_eager=enforce_eager)
         self.tokenizer = Tokenizer(tokenizer or model)
         self.engine = EngineCore(self.config)
         mc = self.config.model

@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+from backboard.engine.cli import add_engine_args, engine_kwargs
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -32,23 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--drain-timeout", type=float, default=600.0,
                    help="on SIGTERM, wait at most this many seconds for running requests")
-    e = p.add_argument_group("engine")
-    e.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": \"mtp\", "
-                   "\"num_speculative_tokens\": 3}'")
-    e.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    e.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    e.add_argument("--cpu-threads", type=int, default=None,
+    add_engine_args(p)
+    p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: all cores but one, "
                         "leaving one to the HTTP front end; or $OMP_NUM_THREADS)")
     p.set_defaults(func=run)
@@ -93,15 +80,8 @@ def run(args: argparse.Namespace) -> int:
             raise StartupError(f"--port must be in 1..65535; got {args.port}")
         path, where = resolve_model(args.model)
         log.info(where)
-        cfg = EngineConfig.create(
-            path, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            speculative_config=args.speculative_config, device=args.device, seed=args.seed,
-            served_model_name=(args.served_model_name or [None])[0], tokenizer=args.tokenizer,
-            scheduling_policy=args.scheduling_policy,
-            long_prefill_token_threshold=args.long_prefill_token_threshold)
+        cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
+                                  **engine_kwargs(args))
         tokenizer = Tokenizer(args.tokenizer or path)
     except (StartupError, ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

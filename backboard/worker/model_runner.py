@@ -79,8 +79,10 @@ class ModelRunner:
         extra = proposer.num_extra_attn_layers if proposer is not None else 0
         self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra)
         self.block_size = cfg.cache.block_size
-        self.caches = allocate_caches(mc, self.num_blocks, self.block_size, self.num_slots,
-                                      self.dtype, self.device, extra_attn_layers=extra)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
+        # with graphs, one more block (never handed out) takes the padding rows' KV writes
+        self.caches = allocate_caches(mc, self.num_blocks + int(use_graphs), self.block_size,
+                                      self.num_slots, self.dtype, self.device, extra_attn_layers=extra)
         sc = cfg.scheduler
         k = cfg.num_spec_tokens
         # + 2k: verify rows and the proposer's lookahead KV writes (see Scheduler.lookahead)
@@ -91,6 +93,23 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         if proposer is not None:
             proposer.attach(self)
+        self.graphs = self._capture_graphs(max_blocks) if use_graphs else None
+
+    def _capture_graphs(self, max_blocks: int):
+        from backboard.worker.cuda_graph import CudaGraphRunner
+
+        sc, k = self.cfg.scheduler, self.cfg.num_spec_tokens
+        graphs = CudaGraphRunner(
+            self.model, self.caches, Ls=[1] + ([1 + k] if k else []), max_rows=256,
+            max_reqs=sc.max_num_seqs, max_blocks=max_blocks, max_seq_len=sc.max_model_len + 2 * k + 1,
+            block_size=self.block_size, scratch_block=self.num_blocks, scratch_slot=self.num_slots,
+            device=self.device)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to eager
+            logger.warning("CUDA graph capture failed (%s: %s); running eagerly", type(e).__name__, e)
+            return None
+        return graphs
 
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -100,8 +119,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         plan = self._prepare_inputs(so)
         t0 = time.perf_counter()
-        with set_forward_context(plan.inputs.meta, self.caches):
-            hidden = self.model(plan.inputs.input_ids, plan.inputs.meta.positions)
+        hidden = self._forward(plan.inputs)
         logits = self.model.compute_logits(hidden[torch.from_numpy(plan.logit_rows).to(self.device)])
         sampled, lps, accepted = self._sample(plan, logits)
         prompt_lps = self._prompt_logprobs(plan, hidden)
@@ -116,6 +134,12 @@ class ModelRunner:
         return out
 
     # ---- phases --------------------------------------------------------------------------
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.meta)
+        with set_forward_context(inputs.meta, self.caches):
+            return self.model(inputs.input_ids, inputs.meta.positions)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
         for rid in so.finished_req_ids:
