@@ -124,7 +124,6 @@ def main() -> None:
               f"transformers {B} calls {t_hf_b * 1e3:7.1f} ms  -> {t_hf_b / t_ours_b:5.2f}x")
         print(f"[{dtype}] decode 1 request  (ctx {ctx}): ours {t_ours_1 * 1e3:7.1f} ms, "
               f"transformers {t_hf_1 * 1e3:7.1f} ms  -> {t_hf_1 / t_ours_1:5.2f}x")
-        del hf, ours
 
 
 if __name__ == "__main__":

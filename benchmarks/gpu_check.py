@@ -76,8 +76,6 @@ from backboard.models.qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 from backboard.ops import dispatch as D  # noqa: E402
 from backboard.ops import quant  # noqa: E402
 from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv  # noqa: E402
-from backboard.ops.conv1d import causal_conv1d_varlen  # noqa: E402
-from backboard.ops.gdn import gdn_chunked_varlen  # noqa: E402
 from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref  # noqa: E402
 from backboard.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
 from backboard.worker.forward_context import get_forward_context, set_forward_context  # noqa: E402
@@ -160,7 +158,7 @@ def build_model(cfg: ModelConfig, plan: Plan, seed: int = 0) -> Qwen3_5ForCausal
             p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=g).log())
         elif name.endswith("dt_bias"):
             p.copy_(torch.empty(p.shape, device=p.device).uniform_(-1.0, 1.0, generator=g))
-        elif name.endswith("linear_attn.norm.weight"):          # plain norm: weights near 1
+        elif name.endswith("linear_attn.norm_weight"):          # plain norm: weights near 1
             p.normal_(1.0, 0.02, generator=g)
         elif "norm" in name:                                    # zero-centred: near 0
             p.normal_(0.0, 0.02, generator=g)
@@ -209,29 +207,17 @@ class KernelPath:
         T = x.shape[0]
         proj = F.linear(x, mod.in_proj.weight)                             # [T, C + vd + 2 nv]
         kw = dict(num_k_heads=mod.nk, num_v_heads=mod.nv, head_k_dim=mod.dk, head_v_dim=mod.dv,
-                  eps=mod.norm.eps)
+                  eps=mod.eps)
         parts = []
         for grp in meta.groups:
             src = meta.state_slots[grp.req_start:grp.req_end]
             dst = grp.dst_slots if grp.dst_slots is not None else src
             init = meta.has_initial_state[grp.req_start:grp.req_end]
             parts.append(D.gdn_decode(proj[grp.tok_start:grp.tok_end], mod.conv1d_weight, conv_state,
-                                      mod.A_log, mod.dt_bias, mod.norm.weight, ssm_state, src, dst,
+                                      mod.A_log, mod.dt_bias, mod.norm_weight, ssm_state, src, dst,
                                       init, **kw))
         if meta.num_prefills:
-            ps = meta.prefill_tok_start
-            qkv, z, b, a = mod.in_proj.split(proj[ps:])
-            beta = b.float().sigmoid()
-            g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias.float())
-            cu = meta.prefill_cu_seqlens()
-            slots = meta.state_slots[meta.prefill_start:].tolist()
-            init = meta.has_initial_state_cpu[meta.prefill_start:].tolist()
-            mixed = causal_conv1d_varlen(qkv, mod.conv1d_weight, conv_state, cu, slots, init)
-            q, k, v = mod._split_heads(mixed)
-            core = gdn_chunked_varlen(q, k, v, g, beta, ssm_state, cu, slots, init)
-            o = D.gated_rms_norm(core.to(x.dtype), z.reshape(-1, mod.nv, mod.dv), mod.norm.weight,
-                                 mod.norm.eps, x.dtype)
-            parts.append(o.reshape(-1, mod.value_dim))
+            parts.append(mod._prefill(proj[meta.prefill_tok_start:], conv_state, ssm_state, meta))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         assert out.shape[0] == T
         return F.linear(out, mod.out_proj.weight)

@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from backboard import LLM, SamplingParams
 from backboard.config import ConfigError
@@ -64,7 +63,7 @@ def test_untrained_head_accepts_less(trained, soft_model, tmp_path):
     from backboard.spec.train import train_draft_head
 
     text = " ".join(["alpha beta gamma"] * 400)
-    stats = train_draft_head(soft_model, text, str(tmp_path), steps=0, seq_len=64, batch_size=2,
+    train_draft_head(soft_model, text, str(tmp_path), steps=0, seq_len=64, batch_size=2,
                              init="random", pool_batches=1, log=lambda *a: None)
     acc0, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": str(tmp_path),
                                        "num_speculative_tokens": 3, "adaptive": False})

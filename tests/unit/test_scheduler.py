@@ -199,7 +199,7 @@ def test_stress_random_aborts_leave_pools_full():
     """Thousands of short requests arriving over time, random aborts, a tight pool."""
     rnd = random.Random(0)
     s = make_sched(max_num_seqs=16, budget=48, blocks=40, bs=4, slots=16)
-    n_added = n_done = 0
+    n_added = 0
     finished = set()
     for it in range(4000):
         for _ in range(rnd.randint(0, 2)):
