@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from backboard.bench.client import make_client, run_closed_loop, send_request, completion_payload
+from backboard.bench.client import completion_payload, make_client, run_closed_loop, send_request
 from backboard.bench.dataset import BenchRequest, load_tokenizer, sample_random_requests
 from backboard.bench.metrics import LATENCY_METRICS, PERCENTILES, compute_metrics, percentile_key
 

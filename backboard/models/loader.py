@@ -58,8 +58,6 @@ class Checkpoint:
     """The safetensors tensors of a checkpoint folder, opened lazily (memory-mapped)."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open  # noqa: F401  (fail early if missing)
-
         self.path = path
         self._files: dict[str, object] = {}
         index = os.path.join(path, "model.safetensors.index.json")

@@ -1,0 +1,354 @@
+"""The bench client: stream parsing, and `bench serve` end to end against a fake OpenAI-compatible
+streaming server (FastAPI + uvicorn in a thread).
+
+This file doubles as a script that runs the fake server in the foreground, for the sweep tests:
+    python tests/unit/test_bench_client.py --port P [--token-delay S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+# ---------------------------------------------------------------- the fake server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeState:
+    def __init__(self, token_delay: float = 0.002, first_token_delay: float = 0.0,
+                 eos_after: int = 3) -> None:
+        self.token_delay = token_delay
+        self.first_token_delay = first_token_delay
+        self.eos_after = eos_after  # tokens generated when ignore_eos is false
+        self.fail_every = 0  # every n-th completion request answers 500
+        self.bad_json = False  # a broken line in the middle of each stream
+        self.send_usage = True
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+
+def make_app(state: FakeState):
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        state.requests.append(body)
+        state.headers.append(dict(request.headers))
+        if state.fail_every and len(state.requests) % state.fail_every == 0:
+            return JSONResponse({"error": "injected failure"}, status_code=500)
+        n = body["max_tokens"] if body.get("ignore_eos") else min(body["max_tokens"],
+                                                                    state.eos_after)
+        include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+
+        async def stream():
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            try:
+                await asyncio.sleep(state.first_token_delay)
+                for i in range(n):
+                    if i:
+                        await asyncio.sleep(state.token_delay)
+                    choice = {"index": 0, "text": f" t{i}", "logprobs": None,
+                              "finish_reason": "length" if i == n - 1 else None}
+                    chunk = {"object": "text_completion", "choices": [choice]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if state.bad_json and i == 0:
+                        yield "data: {not json\n\n"
+                if include_usage and state.send_usage:
+                    usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+                    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state.in_flight -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+class ThreadServer:
+    def __init__(self, state: FakeState) -> None:
+        import uvicorn
+
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from backboard.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("bench-tiny")), arch="qwen3_5_text",
+                                 preset="tiny")
+
+
+@pytest.fixture
+def fake():
+    with ThreadServer(FakeState()) as srv:
+        yield srv
+
+
+def bench(url: str, model_dir: str, *extra: str) -> int:
+    from backboard.cli import main
+
+    return main(["bench", "serve", "--base-url", url, "--model", "fake-model", "--tokenizer",
+                 model_dir, "--disable-tqdm", *extra])
+
+
+# ---------------------------------------------------------------- stream parsing
+
+
+def _reader():
+    from backboard.bench.client import StreamReader
+    from backboard.bench.metrics import RequestOutput
+
+    out = RequestOutput(prompt_len=7)
+    return out, StreamReader(out, st=10.0)
+
+
+def _chunk(text="x") -> str:
+    return "data: " + json.dumps({"choices": [{"index": 0, "text": text}]})
+
+
+def test_stream_token_chunks_usage_and_done():
+    out, r = _reader()
+    r.feed("", 10.1)  # blank lines are skipped
+    r.feed("   \r\n", 10.1)
+    r.feed(_chunk("a") + "\n", 10.5)  # first token chunk: TTFT
+    r.feed(b"data: " + json.dumps({"choices": [{"text": ""}]}).encode(), 10.75)  # empty text counts
+    r.feed(_chunk("c").removeprefix("data: "), 11.0)  # no prefix: still JSON
+    r.feed("data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 3}}), 12.0)
+    r.feed("data: [DONE]", 13.0)
+    r.finish()
+    assert out.success and out.error == ""
+    assert out.ttft == pytest.approx(0.5)
+    assert out.itl == pytest.approx([0.25, 0.25])
+    assert out.latency == pytest.approx(1.0)  # to the last token chunk, not usage / [DONE]
+    assert out.output_tokens == 3
+    assert out.generated_text == "ac"
+
+
+def test_stream_without_usage_counts_zero_tokens():
+    out, r = _reader()
+    r.feed(_chunk(), 10.5)
+    r.feed(_chunk(), 10.6)
+    r.feed("data: [DONE]", 10.7)
+    r.finish()
+    assert out.success and out.output_tokens == 0
+
+
+def test_stream_usage_with_choices_is_a_token_chunk_not_a_count():
+    out, r = _reader()
+    r.feed("data: " + json.dumps({"choices": [{"text": "a"}], "usage": {"completion_tokens": 9}}),
+           10.5)
+    r.finish()
+    assert out.success and out.output_tokens == 0
+
+
+def test_stream_without_token_chunk_fails():
+    out, r = _reader()
+    r.feed("data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 0}}), 10.5)
+    r.feed("data: [DONE]", 10.6)
+    r.finish()
+    assert not out.success and "token chunk" in out.error
+
+
+def test_stream_parse_error_raises():
+    _, r = _reader()
+    with pytest.raises(json.JSONDecodeError):
+        r.feed("data: {oops", 10.5)
+
+
+def test_payload_is_inferencex_s():
+    from backboard.bench.client import completion_payload
+    from backboard.bench.dataset import BenchRequest
+
+    p = completion_payload("m", BenchRequest("hello", 5, 17))
+    assert p == {"model": "m", "prompt": "hello", "temperature": 0.0, "best_of": 1,
+                 "max_tokens": 17, "logprobs": None, "stream": True,
+                 "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------- over HTTP
+
+
+def _send(url: str, state: FakeState | None = None):
+    from backboard.bench.client import completion_payload, make_client, send_request
+    from backboard.bench.dataset import BenchRequest
+
+    async def go():
+        async with make_client(1) as client:
+            return await send_request(client, url + "/v1/completions",
+                                      completion_payload("m", BenchRequest("hi", 2, 4)), 2)
+    return asyncio.run(go())
+
+
+def test_non_200_fails_the_request(fake):
+    fake.state.fail_every = 1
+    out = _send(fake.url)
+    assert not out.success and out.error.startswith("HTTP 500") and "injected" in out.error
+
+
+def test_json_error_in_stream_fails_the_request(fake):
+    fake.state.bad_json = True
+    out = _send(fake.url)
+    assert not out.success and "invalid JSON" in out.error
+
+
+def test_connection_refused_is_recorded():
+    out = _send(f"http://127.0.0.1:{free_port()}")
+    assert not out.success and "Connect" in out.error
+
+
+def test_bench_serve_end_to_end(fake, tiny_model, tmp_path, capsys):
+    fake.state.first_token_delay = 0.02
+    res_file = tmp_path / "r.json"
+    rc = bench(fake.url, tiny_model, "--input-len", "32", "--output-len", "16", "--concurrency",
+               "3", "--num-prompts", "12", "--api-key", "sekrit", "--result-file", str(res_file))
+    assert rc == 0
+    r = json.loads(res_file.read_text())
+    for key in ("date", "backend", "model_id", "tokenizer_id", "best_of", "num_prompts",
+                "request_rate", "burstiness", "max_concurrency", "duration", "completed",
+                "total_input_tokens", "total_output_tokens", "request_throughput",
+                "request_goodput:", "output_throughput", "total_token_throughput", "input_lens",
+                "output_lens"):
+        assert key in r, key
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for s in ("mean", "median", "std", "p90", "p99", "p99.9"):
+            assert f"{s}_{m}_ms" in r
+    assert r["completed"] == 12 and r["failed"] == 0 and not r["run_failed"]
+    assert r["max_concurrency"] == 3 and r["num_warmups"] == 6
+    # 1 test request + 6 warmups (copies of the first request) + 12 timed requests
+    reqs = fake.state.requests
+    assert len(reqs) == 19
+    assert all(q["prompt"] == reqs[0]["prompt"] for q in reqs[:7])
+    assert fake.state.max_in_flight == 3  # closed loop: exactly C in flight
+    assert all(h.get("authorization") == "Bearer sekrit" for h in fake.state.headers)
+    timed = reqs[7:]
+    assert sorted(r["output_lens"]) == sorted(q["max_tokens"] for q in timed)
+    assert r["total_output_tokens"] == sum(q["max_tokens"] for q in timed)
+    assert all(12 <= q["max_tokens"] <= 16 for q in timed)  # [int(16 * 0.8), 16]
+    assert r["total_input_tokens"] == sum(r["input_lens"])
+    assert r["median_ttft_ms"] >= 20.0  # the server waits 20 ms before the first token
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_without_usage_counts_no_tokens(fake, tiny_model, tmp_path):
+    fake.state.send_usage = False
+    res_file = tmp_path / "r.json"
+    assert bench(fake.url, tiny_model, "--input-len", "16", "--output-len", "8", "--concurrency",
+                 "2", "--num-prompts", "4", "--result-file", str(res_file)) == 0
+    r = json.loads(res_file.read_text())
+    assert r["completed"] == 4 and r["total_output_tokens"] == 0 and r["mean_tpot_ms"] == 0.0
+
+
+def test_more_than_5_percent_failed_fails_the_run(fake, tiny_model, tmp_path, capsys):
+    fake.state.fail_every = 5  # the test request is #1; #5, #10, #15, #20 of the 20 timed fail
+    res_file = tmp_path / "r.json"
+    rc = bench(fake.url, tiny_model, "--input-len", "16", "--output-len", "4", "--concurrency",
+               "2", "--num-prompts", "20", "--num-warmups", "0", "--result-file", str(res_file))
+    assert rc == 1
+    r = json.loads(res_file.read_text())
+    assert r["run_failed"] and r["failed"] == 4 and r["completed"] == 16
+    assert sum(1 for e in r["errors"] if e.startswith("HTTP 500")) == 4
+    assert "run failed" in capsys.readouterr().err
+
+
+def test_5_percent_failed_is_still_a_run(fake, tiny_model, tmp_path):
+    fake.state.fail_every = 20  # requests 20 and 40 of 1 + 40: 2 of 40 timed = 5%
+    res_file = tmp_path / "r.json"
+    rc = bench(fake.url, tiny_model, "--input-len", "16", "--output-len", "4", "--concurrency",
+               "4", "--num-prompts", "40", "--num-warmups", "0", "--result-file", str(res_file))
+    r = json.loads(res_file.read_text())
+    assert r["failed"] == 2 and not r["run_failed"] and rc == 0
+
+
+def test_unreachable_server_is_a_clear_error(tiny_model, capsys):
+    rc = bench(f"http://127.0.0.1:{free_port()}", tiny_model, "--input-len", "8", "--output-len",
+               "4", "--concurrency", "1")
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error: the test request to" in err and "Connect" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--base-url", "localhost:8000"], "base URL must look like"),
+    (["--concurrency", "0"], "must be >= 1"),
+    (["--range-ratio", "1.5"], "must be in [0, 1]"),
+    (["--input-len", "ten"], "expected an integer"),
+])
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    from backboard.cli import main
+
+    base = {"--base-url": "http://127.0.0.1:1", "--input-len": "8", "--output-len": "4",
+            "--concurrency": "1", "--model": "m"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", *[x for kv in base.items() for x in kv]])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- as a script
+
+
+def main() -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--token-delay", type=float, default=0.002)
+    a = p.parse_args()
+    uvicorn.run(make_app(FakeState(token_delay=a.token_delay)), host="127.0.0.1", port=a.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
