@@ -19,6 +19,8 @@ Sections (results are written after each one, so a late failure loses nothing):
              KV read + GDN states read and written) / measured copy bandwidth.
   prefill    1K and 8K prompts, floor = FLOPs / measured matmul rate.
   graphs     the decode steps again as CUDA-graph replays (launch overhead removed).
+  engine     the whole engine on the device (tiny hybrid, fp32): greedy tokens with CUDA graphs,
+             eagerly, and with MTP speculation must be identical; output tok/s of each.
 Paths: "eager" = the model's own forward with the torch references (dispatch forced to torch);
 "kernels" = the same layer sequence calling backboard.ops.dispatch with Triton forced
 (projections through torch.matmul); if the layers already call dispatch, "wired" = the model's
@@ -765,6 +767,47 @@ def run_timings(plan: Plan, args: argparse.Namespace, calib: dict, results: dict
             results["graphs_error"] = f"{type(ex).__name__}: {ex}"[:2000]
 
 
+def engine_check(plan: Plan) -> list[dict]:
+    """The engine end to end on the device: greedy outputs identical with CUDA graphs (replayed
+    decode and verify steps, the profiling pass sizing the cache), eagerly, and with MTP
+    speculation; output tokens/s of each."""
+    import tempfile
+
+    import numpy as np
+
+    from backboard import LLM, SamplingParams
+    from backboard.models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"), arch="qwen3_5")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(5, 120, 24)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24 if plan.smoke else 64, ignore_eos=True)
+    dev = "cuda" if plan.device.type == "cuda" else "cpu"
+    out, ref = [], None
+    for name, kw in (("eager", dict(enforce_eager=True)), ("graphs", {}),
+                     ("graphs+mtp k=3", dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                                                 "adaptive": False}))):
+        t0 = time.time()
+        llm = LLM(path, device=dev, dtype="float32", max_model_len=256, max_num_seqs=16,
+                  gpu_memory_utilization=0.3, **kw)
+        start_s = time.time() - t0
+        llm.generate(prompts[:2], sp)
+        t0 = time.time()
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        dt = time.time() - t0
+        ref = ref or toks
+        ck = dict(name=f"engine {name}", what="tokens", ok=toks == ref, rel_l2=0.0, tol=0.0, max_abs=0.0,
+                  tok_per_s=sum(map(len, toks)) / dt, startup_s=start_s,
+                  graphs=llm.engine.runner.graphs is not None, kv_blocks=llm.engine.runner.num_blocks)
+        print(f"  engine {name:<16} identical={ck['ok']} {ck['tok_per_s']:8.1f} tok/s graphs={ck['graphs']} "
+              f"kv_blocks={ck['kv_blocks']} start-up {start_s:.1f} s", flush=True)
+        out.append(ck)
+        del llm
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     t_start = time.time()
     plan = make_plan(args)
@@ -808,6 +851,13 @@ def main(args: argparse.Namespace) -> int:
             raise
         traceback.print_exc()
         checks.append(dict(name="e2e", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+    try:
+        checks += engine_check(plan)
+    except Exception as e:  # noqa: BLE001
+        if plan.smoke:
+            raise
+        traceback.print_exc()
+        checks.append(dict(name="engine", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
     results["checks"] = checks
     save()
     print(f"checks done at {time.time() - t_start:.0f} s", flush=True)

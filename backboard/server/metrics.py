@@ -59,17 +59,25 @@ class ServerMetrics:
                                      m, registry=r)
         self.spec_per_pos = Counter("backboard:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted, by draft position", m + ["position"], registry=r)
+        self.spec_draft_time = Counter("backboard:spec_decode_draft_time_seconds",
+                                       "Time spent proposing drafts", m, registry=r)
+        self.spec_verify_time = Counter("backboard:spec_decode_verify_time_seconds",
+                                        "Time of the steps that verified drafts", m, registry=r)
+        self.spec_accept_len = Gauge("backboard:spec_decode_mean_acceptance_length",
+                                     "Tokens per draft round: 1 + accepted drafts / rounds (since start)",
+                                     m, registry=r)
         self.step_time = Counter("backboard:engine_step_time_seconds",
                                  "Wall time the engine process spent inside step()", m, registry=r)
         self.steps = Counter("backboard:engine_steps", "Engine steps", m, registry=r)
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
-                  self.spec_draft_tokens, self.spec_accepted, self.step_time, self.steps):
+                  self.spec_draft_tokens, self.spec_accepted, self.spec_draft_time,
+                  self.spec_verify_time, self.step_time, self.steps):
             c.labels(model_name)                   # exported as 0 from the start
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for pos in range(num_spec_tokens):
             self.spec_per_pos.labels(model_name, str(pos))
-        for g in (self.running, self.waiting, self.kv_usage, self.slot_usage):
+        for g in (self.running, self.waiting, self.kv_usage, self.slot_usage, self.spec_accept_len):
             g.labels(model_name).set(0)
         self._last: EngineStats | None = None
 
@@ -112,6 +120,10 @@ class ServerMetrics:
         inc(self.spec_drafts, s.spec_num_drafts, prev.spec_num_drafts if prev else 0)
         inc(self.spec_draft_tokens, s.spec_num_draft_tokens, prev.spec_num_draft_tokens if prev else 0)
         inc(self.spec_accepted, s.spec_num_accepted_tokens, prev.spec_num_accepted_tokens if prev else 0)
+        inc(self.spec_draft_time, s.spec_draft_time_s, prev.spec_draft_time_s if prev else 0.0)
+        inc(self.spec_verify_time, s.spec_verify_time_s, prev.spec_verify_time_s if prev else 0.0)
+        if s.spec_num_drafts:
+            self.spec_accept_len.labels(name).set(1 + s.spec_num_accepted_tokens / s.spec_num_drafts)
         inc(self.step_time, st.step_time_s, last.step_time_s if last else 0.0)
         inc(self.steps, st.num_steps, last.num_steps if last else 0)
         before = prev.spec_accepted_per_position if prev else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from backboard.config import ModelConfig
@@ -47,14 +48,46 @@ class MemoryPlanError(ValueError):
     """The cache cannot be sized as asked; the message says which setting to change."""
 
 
+def profile_activation_bytes(model: torch.nn.Module, cfg, dtype: torch.dtype, device: torch.device) -> int:
+    """The profiling pass (CUDA): peak memory of one forward of max_num_batched_tokens dummy tokens
+    (as prefills of at most max_model_len tokens) plus the LM head over the largest row count,
+    above what is allocated before it, not counting the scratch caches it needs."""
+    from backboard.worker.forward_context import set_forward_context
+    from backboard.worker.input_batch import BatchRequest, prepare_batch
+
+    mc, sc, bs = cfg.model, cfg.scheduler, cfg.cache.block_size
+    T = sc.max_num_batched_tokens
+    lens = [min(T - i, sc.max_model_len) for i in range(0, T, sc.max_model_len)]
+    per = [-(-n // bs) for n in lens]
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    caches = allocate_caches(mc, sum(per), bs, len(lens), dtype, device)
+    scratch = torch.cuda.memory_allocated(device) - base
+    torch.cuda.reset_peak_memory_stats(device)
+    starts = np.cumsum([0] + per)
+    reqs = [BatchRequest(np.zeros(n, dtype=np.int64), 0, list(range(starts[i], starts[i] + per[i])), i)
+            for i, n in enumerate(lens)]
+    pb = prepare_batch(reqs, bs, device)
+    with torch.inference_mode(), set_forward_context(pb.meta, caches):
+        h = model(pb.input_ids, pb.meta.positions)
+        rows = min(h.shape[0], sc.max_num_seqs * (1 + cfg.num_spec_tokens))
+        model.compute_logits(h[:rows]).softmax(-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - scratch
+    del caches, h
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
 def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers: int = 0,
-               ) -> tuple[int, int]:
+               activation_bytes: int | None = None) -> tuple[int, int]:
     """(num_kv_blocks, num_state_slots) for an EngineConfig.
 
     Slots: max_num_seqs * (1 + k) unless set. Blocks: `num_kv_blocks` if set; on CUDA, what fits
     in gpu_memory_utilization of the card after the weights and the state slots (a profiling
     pass: the memory actually in use now, plus an activation reserve); on CPU, kv_cache_memory_gib
-    (default 4 GiB), never more than max_num_seqs full-length sequences need."""
+    (default 4 GiB), never more than max_num_seqs full-length sequences need.
+    activation_bytes: the profiling pass's peak (profile_activation_bytes); None: an estimate."""
     mc, cc, sc = cfg.model, cfg.cache, cfg.scheduler
     bs = cc.block_size
     slots = cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)
@@ -66,10 +99,10 @@ def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers:
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         state = (slots + 1) * state_bytes_per_slot(mc, dtype)
-        # activations of the largest step: logits rows, hidden states and the MLP / GDN
-        # intermediates of max_num_batched_tokens tokens (a generous bound)
-        act = sc.max_num_batched_tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * 4 * 2
-        act += sc.max_num_seqs * (1 + cfg.num_spec_tokens) * mc.vocab_size * 4 * 3
+        act = activation_bytes
+        if act is None:   # a generous bound: hidden, MLP / GDN intermediates and logits rows
+            act = sc.max_num_batched_tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * 4 * 2
+            act += sc.max_num_seqs * (1 + cfg.num_spec_tokens) * mc.vocab_size * 4 * 3
         budget = int(total * cc.gpu_memory_utilization) - (total - free) - state - act
         blocks = min(useful, budget // per_block)
     else:

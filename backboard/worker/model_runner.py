@@ -19,7 +19,7 @@ from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import InputBatch, StepInputs, build_step, group_order
-from backboard.worker.memory import allocate_caches, plan_cache
+from backboard.worker.memory import allocate_caches, plan_cache, profile_activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,14 @@ class ModelRunner:
         self.load_time_s = time.time() - t0
         self.proposer = proposer
         extra = proposer.num_extra_attn_layers if proposer is not None else 0
-        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra)
+        act = None
+        if self.device.type == "cuda" and cfg.cache.num_kv_blocks is None:
+            try:
+                act = profile_activation_bytes(self.model, cfg, self.dtype, self.device)
+            except Exception as e:  # noqa: BLE001 - fall back to the estimate, say so
+                logger.warning("profiling pass failed (%s: %s); sizing the cache from an estimate",
+                               type(e).__name__, e)
+        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra, act)
         self.block_size = cfg.cache.block_size
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
         # with graphs, one more block (never handed out) takes the padding rows' KV writes

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from tests.unit.test_bench_client import assert_inferencex_fields
+
 STARTUP_TIMEOUT_S = 300
 
 
@@ -79,15 +81,7 @@ def test_bench_serve_against_backboard(server):
     assert rc == 0
     with open(result_file) as f:
         r = json.load(f)
-    for key in ("date", "backend", "model_id", "tokenizer_id", "best_of", "num_prompts",
-                "request_rate", "burstiness", "max_concurrency", "duration", "completed",
-                "total_input_tokens", "total_output_tokens", "request_throughput",
-                "request_goodput:", "output_throughput", "total_token_throughput", "input_lens",
-                "output_lens"):
-        assert key in r, key
-    for m in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "std", "p90", "p99", "p99.9"):
-            assert f"{stat}_{m}_ms" in r, f"{stat}_{m}_ms"
+    assert_inferencex_fields(r)
     assert r["failed"] == 0 and r["completed"] == 8 and not r["run_failed"]
     # ignore_eos: every request generates exactly its max_tokens, and usage reports them
     from backboard.bench.dataset import load_tokenizer, sample_random_requests

@@ -166,6 +166,9 @@ def test_speculation_metrics_then_engine_death(server_factory):
     assert _metric(url, "backboard:spec_decode_num_draft_tokens_total") >= \
         _metric(url, "backboard:spec_decode_num_drafts_total")
     assert _metric(url, "backboard:spec_decode_num_accepted_tokens_per_pos_total") is not None
+    assert _metric(url, "backboard:spec_decode_draft_time_seconds_total") > 0
+    assert _metric(url, "backboard:spec_decode_verify_time_seconds_total") > 0
+    assert _metric(url, "backboard:spec_decode_mean_acceptance_length") >= 1.0
 
     results: dict = {}
 

@@ -22,6 +22,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 # ---------------------------------------------------------------- the fake server
 
 
+
+INFERENCEX_FIELDS = ("date", "backend", "model_id", "tokenizer_id", "best_of", "num_prompts",
+                     "request_rate", "burstiness", "max_concurrency", "duration", "completed",
+                     "total_input_tokens", "total_output_tokens", "request_throughput",
+                     "request_goodput:", "output_throughput", "total_token_throughput",
+                     "input_lens", "output_lens")
+
+
+def assert_inferencex_fields(r: dict) -> None:
+    """Every field InferenceX's tooling reads (the spelling is InferenceX's, colon included)."""
+    for key in INFERENCEX_FIELDS:
+        assert key in r, key
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99", "p99.9"):
+            assert f"{stat}_{m}_ms" in r, f"{stat}_{m}_ms"
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -252,15 +268,7 @@ def test_bench_serve_end_to_end(fake, tiny_model, tmp_path, capsys):
                "3", "--num-prompts", "12", "--api-key", "sekrit", "--result-file", str(res_file))
     assert rc == 0
     r = json.loads(res_file.read_text())
-    for key in ("date", "backend", "model_id", "tokenizer_id", "best_of", "num_prompts",
-                "request_rate", "burstiness", "max_concurrency", "duration", "completed",
-                "total_input_tokens", "total_output_tokens", "request_throughput",
-                "request_goodput:", "output_throughput", "total_token_throughput", "input_lens",
-                "output_lens"):
-        assert key in r, key
-    for m in ("ttft", "tpot", "itl", "e2el"):
-        for s in ("mean", "median", "std", "p90", "p99", "p99.9"):
-            assert f"{s}_{m}_ms" in r
+    assert_inferencex_fields(r)
     assert r["completed"] == 12 and r["failed"] == 0 and not r["run_failed"]
     assert r["max_concurrency"] == 3 and r["num_warmups"] == 6
     # 1 test request + 6 warmups (copies of the first request) + 12 timed requests
