@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from backboard.sampling_params import SamplingParams
 
 
+FINISH_REASON: dict[int, str] = {}
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -25,8 +28,11 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return FINISH_REASON.get(self)
+
+
+FINISH_REASON.update({RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                       RequestStatus.FINISHED_ABORTED: "abort"})
 
 
 @dataclass
@@ -53,6 +59,7 @@ class Request:
         sp = req.sampling_params
         self.eos_token_ids = frozenset(() if sp.ignore_eos else req.eos_token_ids)
         self.stop_token_ids = frozenset(sp.stop_token_ids or ())
+        self._stoppers = self.eos_token_ids | self.stop_token_ids
         budget = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, budget) if sp.max_tokens is not None else budget
         self.status = RequestStatus.WAITING
@@ -90,15 +97,14 @@ class Request:
 
     def append_token(self, token_id: int) -> bool:
         """Append a sampled token; returns True when it finishes the request (status set)."""
-        self.all_token_ids.append(token_id)
-        n = self.num_output_tokens
-        if n >= self.sampling_params.min_tokens:
-            if token_id in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in self.stop_token_ids:
-                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-                return True
+        toks = self.all_token_ids
+        toks.append(token_id)
+        n = len(toks) - self.num_prompt_tokens
+        if token_id in self._stoppers and n >= self.sampling_params.min_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            if token_id not in self.eos_token_ids:
+                self.stop_reason = token_id
+            return True
         if n >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

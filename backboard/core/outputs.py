@@ -46,7 +46,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """Logprobs of one position: the chosen token's and the top-n."""
 
@@ -70,7 +70,7 @@ class ModelRunnerOutput:
     verify_time_s: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]

@@ -19,7 +19,7 @@ from backboard.core.kv_cache_manager import KVCacheManager
 from backboard.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                     NewRequestData, SchedulerOutput, SchedulerStats)
 from backboard.core.state_pool import StatePool
-from backboard.request import Request, RequestStatus
+from backboard.request import FINISH_REASON, Request, RequestStatus
 
 
 class WaitingQueue:
@@ -132,10 +132,11 @@ class Scheduler:
         preemptions_before = self.num_preemptions_total
 
         # 1. running requests, those in decode first (a long prefill never starves them)
-        for req in sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_tokens - 1):
+        running_status = RequestStatus.RUNNING
+        for req in sorted(self.running, key=lambda r: r.num_computed_tokens < len(r.all_token_ids) - 1):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
+            if req.status != running_status:          # preempted earlier in this loop
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
@@ -174,12 +175,10 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()), spec_decode_tokens=spec_tokens,
             finished_req_ids=self._finished_for_runner, num_spec_tokens=self.num_spec_tokens)
         self._finished_for_runner = set()
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens_with_spec - req.num_computed_tokens
+        n = len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
         if self.cfg.long_prefill_token_threshold > 0:
             n = min(n, self.cfg.long_prefill_token_threshold)
         # never past the context (drafts beyond it are dropped)
@@ -189,6 +188,8 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str]) -> list[int] | None:
         """Allocate blocks for n new tokens, preempting lower-priority running requests (not yet
         scheduled this step) until it fits. None when req itself had to be preempted."""
+        if req.num_computed_tokens + n + self.lookahead <= len(req.block_ids) * self.kv.block_size:
+            return []                      # the common decode step: its blocks are there
         while True:
             new_blocks = self.kv.allocate(req, n + self.lookahead)
             if new_blocks is not None:
@@ -241,20 +242,22 @@ class Scheduler:
                 block_ids=list(req.block_ids), state_slots=list(req.state_slots),
                 num_computed_tokens=req.num_computed_tokens))
         num_scheduled[rid] = n
-        num_spec = req.num_computed_tokens + n - req.num_tokens
+        num_spec = req.num_computed_tokens + n - len(req.all_token_ids)
         if num_spec > 0:
             spec_tokens[rid] = req.spec_token_ids[:num_spec]
+        req.num_computed_tokens += n        # advanced now; rejected drafts are rolled back later
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outs: list[EngineCoreOutput] = []
         now = time.time()
+        requests, spec, running = self.requests, so.spec_decode_tokens, RequestStatus.RUNNING
         for i, rid in enumerate(ro.req_ids):
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(rid)
+            if req is None or req.status != running:
                 continue   # aborted or preempted since it was scheduled
             sampled = ro.sampled_token_ids[i]
-            drafts = so.spec_decode_tokens.get(rid)
+            drafts = spec.get(rid) if spec else None
             if drafts and sampled:
                 req.num_computed_tokens -= len(drafts) + 1 - len(sampled)   # rejected drafts
             new_tokens: list[int] = []
@@ -268,12 +271,15 @@ class Scheduler:
                 req.spec_token_ids = ro.spec_token_ids[i]
             else:
                 req.spec_token_ids = []
-            lps = ro.logprobs[i][:len(new_tokens)] if ro.logprobs[i] is not None else None
-            plp = ro.prompt_logprobs.get(rid)
-            if req.is_finished:
+            lps = ro.logprobs[i]
+            if lps is not None:
+                lps = lps[:len(new_tokens)]
+            plp = ro.prompt_logprobs.get(rid) if ro.prompt_logprobs else None
+            finished = req.status != running
+            if finished:
                 self.running.remove(req)
                 self._release(req)
-            if new_tokens or req.is_finished or plp:
+            if new_tokens or finished or plp:
                 outs.append(self._output(req, new_tokens, lps, plp))
         if ro.num_draft_tokens is not None:
             self._update_spec_stats(ro)
@@ -294,14 +300,13 @@ class Scheduler:
         s.spec_draft_time_s += ro.draft_time_s
         s.spec_verify_time_s += ro.verify_time_s
 
-    def _output(self, req: Request, new_tokens: list[int], logprobs=None, prompt_logprobs=None,
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int], logprobs=None, prompt_logprobs=None,
                 ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            req_id=req.request_id, new_token_ids=new_tokens, new_logprobs=logprobs,
-            new_prompt_logprobs=prompt_logprobs, finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time, num_preemptions=req.num_preemptions)
+        return EngineCoreOutput(req.request_id, new_tokens, logprobs, prompt_logprobs,
+                                FINISH_REASON.get(req.status), req.stop_reason, req.num_prompt_tokens,
+                                req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                req.num_preemptions)
 
     # ---- observability -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -56,7 +56,7 @@ class MTPProposer(Proposer):
         b = r.batch
         block_table = b.block_table[rows, :int(b.num_blocks[rows].max())]
         step = build_step(ids, q_lens, num_computed, block_table, np.zeros(len(rows), dtype=np.int64),
-                          [None] * len(rows), r.block_size, r.device)
+                          None, r.block_size, r.device)
         with set_forward_context(step.meta, r.caches):
             return self.head(self.embed(step.input_ids), hidden.to(r.dtype), step.meta.positions)
 

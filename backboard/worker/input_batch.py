@@ -32,40 +32,57 @@ class StepInputs:
 
 
 def build_step(input_ids: np.ndarray, q_lens: np.ndarray, num_computed: np.ndarray,
-               block_table: np.ndarray, state_slots: np.ndarray, spec_dst: list[np.ndarray | None],
+               block_table: np.ndarray, state_slots: np.ndarray, spec_dst: list[np.ndarray | None] | None,
                block_size: int, device: torch.device | str = "cpu") -> StepInputs:
     """Requests already in group order (see group_order). input_ids [T]; q_lens, num_computed,
-    state_slots [B]; block_table [B, M]; spec_dst[i]: [L_i] verify destination slots or None."""
+    state_slots [B]; block_table [B, M]; spec_dst[i]: [L_i] verify destination slots or None
+    (spec_dst None: no verify rows)."""
     B = len(q_lens)
-    qsl = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=qsl[1:])
+    if spec_dst is None and B and q_lens.max() == 1:        # plain decode: the common step
+        qsl = np.arange(B + 1, dtype=np.int64)
+        positions = num_computed.astype(np.int64, copy=False)
+        req_of_tok = np.arange(B)
+        groups_spec: list[tuple[int, int, int, int, np.ndarray | None]] = [(0, B, 1, 0, None)]
+        prefill_start = B
+    else:
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        req_of_tok = np.repeat(np.arange(B), q_lens)
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[:-1][req_of_tok] + num_computed[req_of_tok]
+        groups_spec, prefill_start = _uniform_groups(q_lens, qsl, spec_dst)
     T = int(qsl[-1])
     seq_lens = num_computed + q_lens
-    req_of_tok = np.repeat(np.arange(B), q_lens)
-    positions = np.arange(T, dtype=np.int64) - qsl[:-1][req_of_tok] + num_computed[req_of_tok]
     slot_mapping = (block_table[req_of_tok, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    groups: list[UniformGroup] = []
-    i = 0
-    while i < B:
-        spec = spec_dst[i] is not None
-        if not spec and q_lens[i] != 1:
-            break
-        j = i + 1
-        while j < B and (spec_dst[j] is not None) == spec and q_lens[j] == q_lens[i]:
-            j += 1
-        dst = torch.from_numpy(np.stack(spec_dst[i:j])).to(device) if spec else None
-        groups.append(UniformGroup(i, j, int(q_lens[i]), int(qsl[i]), dst))
-        i = j
+    groups = [UniformGroup(i, j, L, ts, None if dst is None else torch.from_numpy(dst).to(device))
+              for i, j, L, ts, dst in groups_spec]
     has_init = num_computed > 0
-    t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)  # noqa: E731
+    # one host-to-device transfer per dtype; the fields are views of it
+    i64 = torch.from_numpy(np.concatenate([input_ids, positions, slot_mapping, state_slots])).to(device)
+    i32 = torch.from_numpy(np.concatenate([block_table.ravel(), seq_lens]).astype(np.int32)).to(device)
+    M = block_table.shape[1]
     meta = ForwardMeta(
-        num_tokens=T, positions=t(positions, torch.int64), slot_mapping=t(slot_mapping, torch.int64),
-        block_table=t(block_table, torch.int32), seq_lens=t(seq_lens, torch.int32),
-        seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, state_slots=t(state_slots, torch.int64),
-        has_initial_state=t(has_init, torch.bool), has_initial_state_cpu=has_init,
-        groups=groups, prefill_start=i)
-    return StepInputs(t(input_ids, torch.int64), meta, qsl, positions)
+        num_tokens=T, positions=i64[T:2 * T], slot_mapping=i64[2 * T:3 * T],
+        block_table=i32[:B * M].view(B, M), seq_lens=i32[B * M:], seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=qsl, state_slots=i64[3 * T:], has_initial_state=torch.from_numpy(has_init).to(device),
+        has_initial_state_cpu=has_init, groups=groups, prefill_start=prefill_start)
+    return StepInputs(i64[:T], meta, qsl, positions)
+
+
+def _uniform_groups(q_lens: np.ndarray, qsl: np.ndarray, spec_dst: list[np.ndarray | None] | None):
+    """Runs of equal (kind, rows) before the first prefill: [(req_start, req_end, L, tok_start,
+    dst [n, L] or None)], and the first prefill request."""
+    B = len(q_lens)
+    is_spec = (np.fromiter((d is not None for d in spec_dst), dtype=bool, count=B)
+               if spec_dst is not None else np.zeros(B, dtype=bool))
+    kind = np.where(is_spec, 1, np.where(q_lens == 1, 0, 2))
+    prefill_start = int(np.searchsorted(kind, 2))            # kinds are sorted (group_order)
+    if prefill_start == 0:
+        return [], 0
+    key = (kind * (int(q_lens.max()) + 1) + q_lens)[:prefill_start]
+    bounds = [0] + (np.flatnonzero(np.diff(key)) + 1).tolist() + [prefill_start]
+    return [(i, j, int(q_lens[i]), int(qsl[i]), np.stack(spec_dst[i:j]) if is_spec[i] else None)
+            for i, j in zip(bounds[:-1], bounds[1:])], prefill_start
 
 
 # ---- a list-of-requests front for tests and benchmarks ------------------------------------

@@ -33,10 +33,20 @@ class StepPlan:
     q_lens: np.ndarray            # [B]
     num_computed: np.ndarray      # [B] before this step
     drafts: list[list[int]]       # [B] drafts verified this step ([] for none)
+    is_spec: np.ndarray           # [B] bool: has drafts
     samples: np.ndarray           # [B] bool: the step reaches the end of the known tokens
     logit_rows: np.ndarray        # flat token rows that go through the LM head
     logit_start: np.ndarray       # [B] first logit row of each request (valid where samples)
     inputs: StepInputs
+
+    @property
+    def has_spec(self) -> bool:
+        return bool(self.is_spec.any())
+
+    @property
+    def n_logits(self) -> np.ndarray:
+        """[B] logit rows per request: 1 + k for verify, 1 for a plain sample, 0 mid-prompt."""
+        return np.where(self.samples, np.where(self.is_spec, self.q_lens, 1), 0)
 
 
 class SamplingParamsTable:
@@ -48,6 +58,8 @@ class SamplingParamsTable:
     def __init__(self, max_reqs: int) -> None:
         self.a = {f: np.zeros(max_reqs, dtype=np.float64) for f in self.FIELDS}
         self.eos: list[list[int]] = [[] for _ in range(max_reqs)]
+        # rows that need nothing but an argmax (greedy; no penalties, min_tokens or logprobs)
+        self.plain_greedy = np.zeros(max_reqs, dtype=bool)
 
     def set(self, row: int, sp, eos_token_ids) -> None:
         a = self.a
@@ -64,6 +76,8 @@ class SamplingParamsTable:
         a["min_tokens"][row] = sp.min_tokens
         a["max_tokens"][row] = sp.max_tokens if sp.max_tokens is not None else 1 << 40
         self.eos[row] = sorted(set(eos_token_ids) | set(sp.stop_token_ids or ()))
+        self.plain_greedy[row] = (sp.greedy and not sp.needs_penalties and sp.min_tokens == 0
+                                  and sp.logprobs is None)
 
 
 class ModelRunner:
@@ -132,7 +146,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, sampled, lps, accepted, prompt_lps)
         step_s = time.perf_counter() - t0
-        out.verify_time_s = step_s if any(plan.drafts) else 0.0
+        out.verify_time_s = step_s if plan.has_spec else 0.0
         if self.proposer is not None:
             t1 = time.perf_counter()
             out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted,
@@ -156,51 +170,49 @@ class ModelRunner:
             self.params.set(row, nr.sampling_params, nr.eos_token_ids)
         cr = so.cached_reqs
         for rid, blocks in zip(cr.req_ids, cr.new_block_ids):
-            b.append_blocks(b.row_of[rid], blocks)
+            if blocks:
+                b.append_blocks(b.row_of[rid], blocks)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepPlan:
         b = self.batch
-        req_ids = list(so.num_scheduled_tokens)
-        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        drafts = [so.spec_decode_tokens.get(r, []) for r in req_ids]
-        is_spec = np.array([bool(d) for d in drafts])
-        order = group_order(q_lens, is_spec)
-        req_ids = [req_ids[i] for i in order]
-        rows, q_lens, is_spec = rows[order], q_lens[order], is_spec[order]
-        drafts = [drafts[i] for i in order]
+        nst = so.num_scheduled_tokens
+        req_ids = list(nst)
+        B = len(req_ids)
+        rows = np.fromiter(map(b.row_of.__getitem__, req_ids), dtype=np.int64, count=B)
+        q_lens = np.fromiter(nst.values(), dtype=np.int64, count=B)
+        known = dict(zip(so.cached_reqs.req_ids, so.cached_reqs.num_computed_tokens))
+        known.update((nr.req_id, nr.num_computed_tokens) for nr in so.new_reqs)
+        num_computed = np.fromiter(map(known.__getitem__, req_ids), dtype=np.int64, count=B)
+        spec = so.spec_decode_tokens
+        drafts = [spec.get(r, ()) for r in req_ids] if spec else [()] * B
+        is_spec = np.fromiter(map(bool, drafts), dtype=bool, count=B) if spec else np.zeros(B, dtype=bool)
+        if spec or (q_lens != 1).any():          # group order: decodes, verify groups, prefills
+            order = group_order(q_lens, is_spec)
+            req_ids = [req_ids[i] for i in order]
+            drafts = [drafts[i] for i in order]
+            rows, q_lens, num_computed, is_spec = rows[order], q_lens[order], num_computed[order], is_spec[order]
         # drafts sit after the known tokens in the token buffer (not counted in num_tokens)
         for i in np.nonzero(is_spec)[0]:
             r, n = rows[i], b.num_tokens[rows[i]]
             b.token_ids[r, n:n + len(drafts[i])] = drafts[i]
-        num_computed = self._num_computed(so, req_ids)
-        tok_rows = np.repeat(rows, q_lens)
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
-        pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1], q_lens) + np.repeat(num_computed, q_lens)
-        input_ids = b.token_ids[tok_rows, pos]
-        max_nb = int(b.num_blocks[rows].max())
-        block_table = b.block_table[rows, :max_nb]
+        pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1] - num_computed, q_lens)
+        input_ids = b.token_ids[np.repeat(rows, q_lens), pos]
+        block_table = b.block_table[rows, :int(b.num_blocks[rows].max())]
         spec_dst = [self._verify_slots(rows[i], len(drafts[i]) + 1) if is_spec[i] else None
-                    for i in range(len(rows))]
+                    for i in range(B)] if spec else None
         inputs = build_step(input_ids, q_lens, num_computed, block_table, b.cur_slot[rows], spec_dst,
                             self.block_size, self.device)
         samples = num_computed + q_lens >= b.num_tokens[rows]
-        n_logits = np.where(samples, np.where(is_spec, q_lens, 1), 0)
-        logit_start = np.zeros(len(rows), dtype=np.int64)
-        np.cumsum(n_logits[:-1], out=logit_start[1:])
+        plan = StepPlan(req_ids, rows, q_lens, num_computed, drafts, is_spec, samples,
+                        np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64), inputs)
         # rows of the LM head: each sampling request's last n_logits tokens
-        tok_end = np.repeat(qsl[1:], n_logits)
-        within = np.arange(int(n_logits.sum())) - np.repeat(logit_start, n_logits)
-        logit_rows = tok_end - np.repeat(n_logits, n_logits) + within
-        return StepPlan(req_ids, rows, q_lens, num_computed, drafts, samples, logit_rows,
-                        logit_start, inputs)
-
-    def _num_computed(self, so: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
-        known = {nr.req_id: nr.num_computed_tokens for nr in so.new_reqs}
-        cr = so.cached_reqs
-        known.update(zip(cr.req_ids, cr.num_computed_tokens))
-        return np.fromiter((known[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n_logits = plan.n_logits
+        np.cumsum(n_logits[:-1], out=plan.logit_start[1:])
+        within = np.arange(int(n_logits.sum())) - np.repeat(plan.logit_start, n_logits)
+        plan.logit_rows = np.repeat(qsl[1:] - n_logits, n_logits) + within
+        return plan
 
     def _verify_slots(self, row: int, L: int) -> np.ndarray:
         """Destination slot of the state after each verify row: the current slot first, then the
@@ -211,7 +223,7 @@ class ModelRunner:
 
     def _sampling_metadata(self, plan: StepPlan) -> tuple[SamplingMetadata, np.ndarray]:
         """Metadata for every logit row; also the row -> request index map."""
-        n_logits = np.where(plan.samples, np.where([bool(d) for d in plan.drafts], plan.q_lens, 1), 0)
+        n_logits = plan.n_logits
         req_of = np.repeat(np.arange(len(plan.rows)), n_logits)
         brow = plan.rows[req_of]
         a = self.params.a
@@ -264,16 +276,20 @@ class ModelRunner:
         accepted = np.zeros(B, dtype=np.int64)
         if len(plan.logit_rows) == 0:
             return sampled, lps, accepted
+        if not plan.has_spec and self.params.plain_greedy[plan.rows[plan.samples]].all():
+            # the common case needs nothing but an argmax per request
+            for i, t in zip(np.nonzero(plan.samples)[0].tolist(), logits.argmax(-1).tolist()):
+                sampled[i] = [t]
+            return sampled, lps, accepted
         md, req_of = self._sampling_metadata(plan)
-        if any(plan.drafts):
+        if plan.has_spec:
             tokens, accepted = verify_drafts(logits, md, req_of, plan, self.sampler)
         else:
             ids = self.sampler(logits, md).tolist()
             tokens = {int(req_of[j]): [ids[j]] for j in range(len(ids))}
-        want_lp = any(n >= 0 for n in md.num_logprobs)
         for i, toks in tokens.items():
             sampled[i] = toks
-        if want_lp:
+        if any(n >= 0 for n in md.num_logprobs):
             chosen = torch.zeros(len(req_of), dtype=torch.int64, device=logits.device)
             for i, toks in tokens.items():
                 s = plan.logit_start[i]
@@ -306,21 +322,26 @@ class ModelRunner:
     def _commit(self, plan: StepPlan, sampled, lps, accepted, prompt_lps) -> ModelRunnerOutput:
         """Write the new tokens into the batch; move GDN state pointers past accepted drafts."""
         b = self.batch
-        for i, toks in enumerate(sampled):
-            if not toks:
-                continue
-            row = plan.rows[i]
-            n = b.num_tokens[row]
-            b.token_ids[row, n:n + len(toks)] = toks
-            b.num_tokens[row] = n + len(toks)
-            if plan.drafts[i]:
-                b.cur_slot[row] = self._verify_slots(row, len(plan.drafts[i]) + 1)[accepted[i]]
+        if not plan.has_spec:                     # one token per sampling request
+            idx = np.nonzero(plan.samples)[0]
+            rows = plan.rows[idx]
+            b.token_ids[rows, b.num_tokens[rows]] = [sampled[i][0] for i in idx]
+            b.num_tokens[rows] += 1
+        else:
+            for i, toks in enumerate(sampled):
+                if not toks:
+                    continue
+                row = plan.rows[i]
+                n = b.num_tokens[row]
+                b.token_ids[row, n:n + len(toks)] = toks
+                b.num_tokens[row] = n + len(toks)
+                if plan.drafts[i]:
+                    b.cur_slot[row] = self._verify_slots(row, len(plan.drafts[i]) + 1)[accepted[i]]
         out = ModelRunnerOutput(req_ids=plan.req_ids, sampled_token_ids=sampled, logprobs=lps,
                                 prompt_logprobs=prompt_lps)
-        if any(plan.drafts):
-            out.num_draft_tokens = [len(d) for d in plan.drafts]
+        if plan.has_spec:
+            lens = np.array([len(d) for d in plan.drafts])
+            out.num_draft_tokens = lens.tolist()
             out.num_accepted_tokens = accepted.tolist()
-            k = max(len(d) for d in plan.drafts)
-            out.accepted_per_position = [int(np.sum((accepted > j) & np.array([len(d) > j for d in plan.drafts])))
-                                         for j in range(k)]
+            out.accepted_per_position = [int(np.sum((accepted > j) & (lens > j))) for j in range(int(lens.max()))]
         return out
