@@ -43,13 +43,15 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)                                           # [T, C + nv*dv + 2nv]
         o = torch.empty(T, self.value_dim, dtype=x.dtype, device=x.device)
         for grp in meta.groups:
-            ts, te = grp.tok_start, grp.tok_end
-            src = meta.state_slots[grp.req_start:grp.req_end]
+            ts, te, rs, re = grp.tok_start, grp.tok_end, grp.req_start, grp.req_end
+            src = meta.state_slots[rs:re]
+            # None: every request continues from its state (the usual decode), nothing to zero
+            init = None if meta.has_initial_state_cpu[rs:re].all() else meta.has_initial_state[rs:re]
             o[ts:te] = dispatch.gdn_decode(
                 proj[ts:te], self.conv1d_weight, conv_state, self.A_log, self.dt_bias,
                 self.norm_weight, ssm_state, src, grp.dst_slots if grp.dst_slots is not None else src,
-                meta.has_initial_state[grp.req_start:grp.req_end], num_k_heads=self.nk,
-                num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv, eps=self.eps)
+                init, num_k_heads=self.nk, num_v_heads=self.nv, head_k_dim=self.dk,
+                head_v_dim=self.dv, eps=self.eps)
         if meta.num_prefills:
             ps = meta.prefill_tok_start
             o[ps:] = self._prefill(proj[ps:], conv_state, ssm_state, meta)

@@ -3,7 +3,8 @@
 A step whose requests all form one uniform group (B requests x L rows: decode L = 1, verify
 L = 1 + k) and nothing else is replayed from a graph captured for the smallest size B' >= B;
 the B' - B padding requests point at a scratch KV block and a scratch state slot, so they touch
-no real request. Mixed steps (prefill chunks) run eagerly.
+no real request. Mixed steps (prefill chunks) run eagerly, and so do steps with a request that
+starts from an empty state (a one-token prompt's first step).
 
 Everything a captured forward reads lives in static buffers that `run` refills: token ids,
 positions, slot mapping, block table, sequence lengths, state slots (and verify destinations).
@@ -151,8 +152,10 @@ class CudaGraphRunner:
                     {L: s for L, s in self.sizes.items()})
 
     def can_run(self, meta: ForwardMeta) -> bool:
+        """A uniform step of a captured size whose requests all continue from a state (a
+        one-token prompt's first step starts from zeros: eager)."""
         shape = uniform_shape(meta)
-        return (shape is not None and shape[1] in self.sizes
+        return (shape is not None and shape[1] in self.sizes and bool(meta.has_initial_state_cpu.all())
                 and bucket(self.sizes[shape[1]], shape[0]) is not None)
 
     def run(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:

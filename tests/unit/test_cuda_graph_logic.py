@@ -32,6 +32,16 @@ def test_only_uniform_steps_replay():
     assert uniform_shape(_batch([([1], 5, None), ([1, 2], 6, [11, 30])]).meta) is None     # two groups
 
 
+def test_steps_from_an_empty_state_do_not_replay():
+    from backboard.worker.cuda_graph import CudaGraphRunner
+
+    g = CudaGraphRunner.__new__(CudaGraphRunner)
+    g.sizes = {1: [1, 2, 4]}
+    assert g.can_run(_batch([([1], 5, None), ([2], 7, None)]).meta)
+    assert not g.can_run(_batch([([1], 5, None), ([2], 0, None)]).meta)   # a one-token prompt
+    assert not g.can_run(_batch([([1], 5, None)] * 5).meta)                # larger than captured
+
+
 def test_fill_pads_onto_scratch_block_and_slot():
     pb = _batch([([1, 2, 3], 5, [10, 20, 21]), ([4, 5, 6], 6, [11, 22, 23])])
     sb = StaticBatch.allocate(4, 3, max_blocks=6, max_seq_len=24, device="cpu")

@@ -23,20 +23,23 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     Returns o: [B, L, nv, dv] fp32."""
     B, L, nv, dv = v.shape
     q, k = prepare_qk(q, k, nv)                      # [B, L, nv, dk]
+    dk = q.shape[-1]
     v, g, beta = v.float(), g.float(), beta.float()
-    S = state[src_slots]                             # [B, nv, dk, dv] (a copy)
+    S = state.index_select(0, src_slots)             # [B, nv, dk, dv] (a copy, updated in place)
     if has_initial_state is not None:
-        S = torch.where(has_initial_state[:, None, None, None], S, 0.0)
+        S.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
+    Sf = S.view(B * nv, dk, dv)
     per_position = dst_slots.dim() == 2
     o = torch.empty(B, L, nv, dv, dtype=torch.float32, device=v.device)
     for t in range(L):
-        S = S * g[:, t].exp()[:, :, None, None]
-        kv = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-        u = (v[:, t] - kv) * beta[:, t, :, None]
-        S = S + k[:, t, :, :, None] * u[:, :, None, :]
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        S.mul_(g[:, t].exp()[:, :, None, None])
+        kt = k[:, t].reshape(B * nv, 1, dk)
+        kv = torch.bmm(kt, Sf).view(B, nv, dv)                   # k^T S
+        u = (v[:, t] - kv) * beta[:, t, :, None]                  # [B, nv, dv]
+        Sf.baddbmm_(kt.transpose(1, 2), u.reshape(B * nv, 1, dv))  # S += k (outer) u
+        o[:, t] = torch.bmm(q[:, t].reshape(B * nv, 1, dk), Sf).view(B, nv, dv)
         if per_position:
-            state[dst_slots[:, t]] = S
+            state.index_copy_(0, dst_slots[:, t], S)
     if not per_position:
-        state[dst_slots] = S
+        state.index_copy_(0, dst_slots, S)
     return o
