@@ -52,14 +52,24 @@ def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, req_of: np.ndarray
     has_draft = within < k_of
     draft_ids = np.array([plan.drafts[i][j] if j < k_of[n] else -1
                           for n, (i, j) in enumerate(zip(req_of, within))], dtype=np.int64)
-    p = target_probs(process_logits(logits, md), md)
+    processed = process_logits(logits, md)
+    if md.all_greedy:       # accept while the draft is the argmax; emit the argmax where it stops
+        token = processed.argmax(-1)
+        accept = torch.from_numpy(has_draft).to(token.device) & (token == torch.from_numpy(draft_ids).to(token.device))
+        return _collect(plan, req_of, accept.tolist(), token.tolist())
+    p = target_probs(processed, md)
     noise = sampler.noise(R, p.shape[1], md, p.device)
     u = torch.rand(R, generator=sampler.generator, device=p.device)
     for row, seed, pos in md.seeds or ():
         u[row] = torch.exp(-seeded_noise(seed, pos + _ACCEPT_STREAM, 1, p.device)[0])
     accept, token = rejection_sample(p, torch.from_numpy(draft_ids).to(p.device),
                                      torch.from_numpy(has_draft).to(p.device), u, noise, draft_probs)
-    accept_l, token_l = accept.tolist(), token.tolist()
+    return _collect(plan, req_of, accept.tolist(), token.tolist())
+
+
+def _collect(plan, req_of: np.ndarray, accept_l: list[bool], token_l: list[int],
+             ) -> tuple[dict[int, list[int]], np.ndarray]:
+    """Per request: the leading accepted drafts, then the token of the first row that stops."""
     B = len(plan.rows)
     accepted = np.zeros(B, dtype=np.int64)
     out: dict[int, list[int]] = {}

@@ -1,13 +1,16 @@
 """Adaptive k: per step, the number of drafts that maximises expected tokens per second, from the
 batch size, the measured acceptance and the measured step times.
 
-    E(k)  = 1 + sum_{j<=k} prod_{i<=j} a_i          (tokens per request per step; a_i the
-                                                     acceptance rate of draft i given i-1 accepted)
-    T(k)  = t_verify(n * (1 + k)) + k * t_draft(n)   (seconds per step for n requests)
-    k*    = argmax_k  n * E(k) / T(k),  k in 0..k_max
+    E(k)  = 1 + sum_{j<=k} prod_{i<=j} a_i      (tokens per request per step; a_i the acceptance
+                                                 rate of draft i given that i-1 were accepted)
+    T(k)  = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n) + k * t_draft(n))
+    k*    = argmax_k  n * E(k) / T(k),  k in 0..k_max       (n = requests that get drafts)
 
-t_verify(rows) and t_draft(n) are linear fits updated online (exponentially weighted); with k = 0
-chosen, a probe with k = 1 every `probe_every` steps keeps the acceptance estimate alive."""
+With k = 0 the proposer does no work at all (not even keeping its cache in step), so speculation
+that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
+(steps with prefill chunks are left out: their rows cost differently); t_catchup and t_draft are
+linear in n. Exploration: the first steps alternate k_max and 0 so that the fit sees both row
+counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0 when on)."""
 
 from __future__ import annotations
 
@@ -17,66 +20,80 @@ import numpy as np
 class _LinearFit:
     """y ~ a + b x, exponentially weighted least squares."""
 
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
         self.s = np.zeros(5)   # sum w, sum wx, sum wy, sum wxx, sum wxy
 
     def add(self, x: float, y: float) -> None:
         self.s = self.s * self.decay + np.array([1.0, x, y, x * x, x * y])
 
-    def __call__(self, x: float) -> float | None:
+    @property
+    def ready(self) -> bool:
+        return self.s[0] >= 2
+
+    def __call__(self, x: float) -> float:
         w, sx, sy, sxx, sxy = self.s
-        if w < 2:
-            return None
+        if w <= 0:
+            return 0.0
         var = sxx * w - sx * sx
         if var <= 1e-9 * max(1.0, sxx * w):
-            return sy / w                        # one row count seen so far: flat
+            return sy / w                        # one x seen so far: flat
         b = (sxy * w - sx * sy) / var
         a = (sy - b * sx) / w
         return max(a + b * x, 1e-6)
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.6, probe_every: int = 32) -> None:
-        self.k_max, self.enabled, self.probe_every = k_max, enabled, probe_every
+    def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.6, explore_steps: int = 6,
+                 probe_every: int = 32) -> None:
+        self.k_max, self.enabled = k_max, enabled
+        self.explore_steps, self.probe_every = explore_steps, probe_every
         self.drafted = np.full(k_max, 20.0)          # pseudo-counts for the prior
         self.accepted = self.drafted * prior
         self.verify = _LinearFit()
+        self.catchup = _LinearFit()
         self.draft = _LinearFit()
         self.steps = 0
+        self._seen: dict[str, int] = {}
 
     def acceptance(self) -> np.ndarray:
         """Conditional acceptance rate per draft position."""
         return self.accepted / np.maximum(self.drafted, 1e-9)
 
-    def observe(self, rows: int, verify_s: float, n_draft_reqs: int, draft_s_per_step: float | None,
-                drafted_per_pos: list[int], accepted_per_pos: list[int]) -> None:
-        self.verify.add(rows, verify_s)
-        if draft_s_per_step is not None and n_draft_reqs:
-            self.draft.add(n_draft_reqs, draft_s_per_step)
+    def observe_verify(self, rows: int, seconds: float, speculated: bool) -> None:
+        # the first steps of each kind warm caches and code paths: not representative
+        key = "spec" if speculated else "plain"
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self._seen[key] > 2:
+            self.verify.add(rows, seconds)
+
+    def observe_draft(self, n: int, catchup_s: float, draft_s_per_k: float) -> None:
+        self.catchup.add(n, catchup_s)
+        self.draft.add(n, draft_s_per_k)
+
+    def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         d = 0.995
-        for j, (nd, na) in enumerate(zip(drafted_per_pos, accepted_per_pos)):
+        for j, (nd, na) in enumerate(zip(reached, accepted)):
             if j < self.k_max and nd:
                 self.drafted[j] = self.drafted[j] * d + nd
                 self.accepted[j] = self.accepted[j] * d + na
 
     def expected_tokens(self, k: int) -> float:
-        a = self.acceptance()
-        return 1.0 + float(np.sum(np.cumprod(a[:k]))) if k else 1.0
+        return 1.0 + float(np.sum(np.cumprod(self.acceptance()[:k]))) if k else 1.0
+
+    def rate(self, n: int, k: int) -> float:
+        t = self.verify(n * (1 + k))
+        if k:
+            t += self.catchup(n) + k * self.draft(n)
+        return n * self.expected_tokens(k) / t
 
     def choose(self, n: int) -> int:
         self.steps += 1
         if not self.enabled or n == 0:
             return self.k_max
-        best_k, best = self.k_max, -1.0
-        for k in range(self.k_max + 1):
-            tv = self.verify(n * (1 + k))
-            td = self.draft(n) if k else 0.0
-            if tv is None or td is None:
-                return self.k_max                # not enough measurements yet: explore
-            rate = n * self.expected_tokens(k) / (tv + k * td)
-            if rate > best:
-                best_k, best = k, rate
-        if best_k == 0 and self.steps % self.probe_every == 0:
-            return 1
-        return best_k
+        if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
+            return self.k_max if self.steps % 2 else 0
+        best = max(range(self.k_max + 1), key=lambda k: self.rate(n, k))
+        if self.steps % self.probe_every == 0:
+            return 1 if best == 0 else 0
+        return best

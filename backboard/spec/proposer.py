@@ -19,7 +19,6 @@ class Proposer:
         self.adaptive = AdaptiveK(self.k_max, enabled=cfg.spec.adaptive)
         self.runner = None
         self.last_k = self.k_max
-        self._last_draft_s: float | None = None
 
     def attach(self, runner) -> None:
         self.runner = runner
@@ -36,22 +35,23 @@ class Proposer:
     def propose(self, plan, hidden, sampled: list[list[int]], accepted: np.ndarray, k_max: int,
                 verify_s: float) -> list[list[int]]:
         self._observe(plan, accepted, verify_s)
-        t0 = time.perf_counter()
-        self.catch_up(plan, hidden)
         B = len(plan.rows)
+        out: list[list[int]] = [[] for _ in range(B)]
         who = np.array([i for i in range(B) if sampled[i]], dtype=np.int64)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
         self.last_k = k
-        out: list[list[int]] = [[] for _ in range(B)]
-        if k > 0 and len(who):
-            room = self._room(plan, who)
-            keep = who[room > 0]
-            if len(keep):
-                drafts = self.draft(plan, hidden, min(k, int(room.max())), keep)
-                for i, d, r in zip(keep, drafts, room[room > 0]):
-                    out[i] = [int(t) for t in d[:int(r)]]
-            self._last_draft_s = (time.perf_counter() - t0) / max(k, 1)
-            self._last_draft_n = len(who)
+        if k == 0:
+            return out                      # speculation off this step: no proposer work at all
+        t0 = time.perf_counter()
+        self.catch_up(plan, hidden)
+        t1 = time.perf_counter()
+        room = self._room(plan, who)
+        keep = who[room > 0]
+        if len(keep):
+            drafts = self.draft(plan, hidden, min(k, int(room.max())), keep)
+            for i, d, r in zip(keep, drafts, room[room > 0]):
+                out[i] = [int(t) for t in d[:int(r)]]
+        self.adaptive.observe_draft(len(who), t1 - t0, (time.perf_counter() - t1) / k)
         return out
 
     def _room(self, plan, who: np.ndarray) -> np.ndarray:
@@ -66,9 +66,9 @@ class Proposer:
 
     def _observe(self, plan, accepted: np.ndarray, verify_s: float) -> None:
         lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
-        reached = [int(np.sum((lens > j) & (accepted >= j))) for j in range(self.k_max)]
-        acc = [int(np.sum((lens > j) & (accepted > j))) for j in range(self.k_max)]
-        rows = int(plan.q_lens.sum())
-        self.adaptive.observe(rows, verify_s, getattr(self, "_last_draft_n", 0), self._last_draft_s,
-                              reached, acc)
-        self._last_draft_s = None
+        if lens.any():
+            self.adaptive.observe_acceptance(
+                [int(np.sum((lens > j) & (accepted >= j))) for j in range(self.k_max)],
+                [int(np.sum((lens > j) & (accepted > j))) for j in range(self.k_max)])
+        if not np.any(~plan.is_spec & (plan.q_lens > 1)):     # decode / verify rows only
+            self.adaptive.observe_verify(int(plan.q_lens.sum()), verify_s, bool(lens.any()))
