@@ -636,16 +636,19 @@ class Bench:
             e = dict(name=f"{'verify' if verify else 'decode'} B={B} L={L} ctx={label}", B=B, L=L,
                      context=ctx, rows=B * L, floor_bytes={k: v for k, v in floor.items() if k != "floor_ms"},
                      floor_ms=floor["floor_ms"])
-            for path in self.paths():
-                if path == "eager" and ctx >= 8192 and self.skip_eager_8k:
-                    continue
-                self.run_one(e, path, self.step_fn(path, pb, rows), floor["floor_ms"])
-            if e.get("eager_ms") and e.get("kernels_ms"):
-                e["eager_over_kernels"] = e["eager_ms"] / e["kernels_ms"]
-            out.append(e)
-            self.save()
-            print_row(e)
+            out.append(self.time_paths(e, pb, rows, skip_eager=ctx >= 8192 and self.skip_eager_8k))
         return out
+
+    def time_paths(self, e: dict, pb, rows, skip_eager: bool = False) -> dict:
+        """Time one step through every path next to its floor; save and print the row."""
+        for path in self.paths():
+            if not (path == "eager" and skip_eager):
+                self.run_one(e, path, self.step_fn(path, pb, rows), e["floor_ms"])
+        if e.get("eager_ms") and e.get("kernels_ms"):
+            e["eager_over_kernels"] = e["eager_ms"] / e["kernels_ms"]
+        self.save()
+        print_row(e)
+        return e
 
     def prefill(self) -> list[dict]:
         plan, cfg = self.plan, self.cfg
@@ -656,13 +659,7 @@ class Bench:
             floor = prefill_floor(cfg, self.model, T, rate)
             e = dict(name=f"prefill T={T}", tokens=T, floor_flops={k: v for k, v in floor.items() if k != "floor_ms"},
                      floor_ms=floor["floor_ms"])
-            for path in self.paths():
-                self.run_one(e, path, self.step_fn(path, pb, rows), floor["floor_ms"])
-            if e.get("eager_ms") and e.get("kernels_ms"):
-                e["eager_over_kernels"] = e["eager_ms"] / e["kernels_ms"]
-            out.append(e)
-            self.save()
-            print_row(e)
+            out.append(self.time_paths(e, pb, rows))
         return out
 
     def graphs(self) -> list[dict]:

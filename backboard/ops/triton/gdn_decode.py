@@ -100,6 +100,23 @@ def _gdn_decode_conv_kernel(
                      (xs + xp).to(state_ptr.dtype.element_ty), mask=cmask)
 
 
+def _check_slots(op: str, name: str, rows: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                 has_initial_state: torch.Tensor | None) -> tuple[int, int, bool]:
+    """Slot arguments of B requests x L rows -> (B, L, per-position destinations)."""
+    check_tensor(op, "src_slots", src_slots, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    B = src_slots.shape[0]
+    if B == 0 or rows % B:
+        raise ValueError(f"{op}: {name} has {rows} rows, not a positive multiple of B={B}")
+    L = rows // B
+    per_position = dst_slots.dim() == 2
+    check_tensor(op, "dst_slots", dst_slots, shape=(B, L) if per_position else (B,),
+                 dtypes=INDEX_DTYPES, contiguous=True)
+    if has_initial_state is not None:
+        check_tensor(op, "has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,),
+                     contiguous=True)
+    return B, L, per_position
+
+
 def gdn_decode_conv(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                     src_slots: torch.Tensor, dst_slots: torch.Tensor,
                     has_initial_state: torch.Tensor | None = None, *, conv_dim: int,
@@ -122,19 +139,9 @@ def gdn_decode_conv(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: t
     check_tensor(op, "conv_state", conv_state, shape=(None, K - 1, C), dtypes=FLOAT_DTYPES)
     if conv_state.stride(2) != 1:
         raise ValueError(f"{op}: conv_state must have a contiguous channel dim, strides {conv_state.stride()}")
-    check_tensor(op, "src_slots", src_slots, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
-    B = src_slots.shape[0]
-    if B == 0 or proj.shape[0] % B:
-        raise ValueError(f"{op}: proj has {proj.shape[0]} rows, not a positive multiple of B={B}")
-    L = proj.shape[0] // B
+    B, L, per_position = _check_slots(op, "proj", proj.shape[0], src_slots, dst_slots, has_initial_state)
     if proj.shape[1] < C:
         raise ValueError(f"{op}: proj has {proj.shape[1]} columns, fewer than conv_dim={C}")
-    per_position = dst_slots.dim() == 2
-    check_tensor(op, "dst_slots", dst_slots, shape=(B, L) if per_position else (B,),
-                 dtypes=INDEX_DTYPES, contiguous=True)
-    if has_initial_state is not None:
-        check_tensor(op, "has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,),
-                     contiguous=True)
     if out is None:
         out = torch.empty(B * L, C, dtype=proj.dtype, device=proj.device)
     check_tensor(op, "out", out, shape=(B * L, C), dtypes=(proj.dtype,), last_dim_contiguous=True)
@@ -258,17 +265,7 @@ def gdn_decode_recurrent(mixed: torch.Tensor, proj: torch.Tensor, A_log: torch.T
     check_tensor(op, "ssm_state", ssm_state, shape=(None, nv, dk, dv), dtypes=(torch.float32,))
     if ssm_state.stride(3) != 1:
         raise ValueError(f"{op}: ssm_state must have a contiguous last dim, strides {ssm_state.stride()}")
-    check_tensor(op, "src_slots", src_slots, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
-    B = src_slots.shape[0]
-    if B == 0 or T % B:
-        raise ValueError(f"{op}: mixed has {T} rows, not a positive multiple of B={B}")
-    L = T // B
-    per_position = dst_slots.dim() == 2
-    check_tensor(op, "dst_slots", dst_slots, shape=(B, L) if per_position else (B,),
-                 dtypes=INDEX_DTYPES, contiguous=True)
-    if has_initial_state is not None:
-        check_tensor(op, "has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,),
-                     contiguous=True)
+    B, L, per_position = _check_slots(op, "mixed", T, src_slots, dst_slots, has_initial_state)
     check_devices(op, _gdn_decode_recurrent_kernel, mixed=mixed, proj=proj, A_log=A_log,
                   dt_bias=dt_bias, norm_weight=norm_weight, ssm_state=ssm_state,
                   src_slots=src_slots, dst_slots=dst_slots, has_initial_state=has_initial_state)
