@@ -141,7 +141,10 @@ class ModelRunner:
         plan = self._prepare_inputs(so)
         t0 = time.perf_counter()
         hidden = self._forward(plan.inputs)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(plan.logit_rows).to(self.device)])
+        rows = plan.logit_rows
+        # a decode step needs every row: no gather
+        h = hidden if len(rows) == hidden.shape[0] else hidden[torch.from_numpy(rows).to(self.device)]
+        logits = self.model.compute_logits(h)
         sampled, lps, accepted = self._sample(plan, logits)
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, sampled, lps, accepted, prompt_lps)
@@ -305,6 +308,8 @@ class ModelRunner:
         """For requests with prompt_logprobs: logprobs of prompt tokens 1.. computed this step."""
         b, a = self.batch, self.params.a
         out: dict[str, list] = {}
+        if plan.inputs.meta.prefill_start == len(plan.rows) and not plan.has_spec and plan.samples.all():
+            return out                            # a decode-only step has no prompt rows
         want = np.nonzero(a["prompt_logprobs"][plan.rows] >= 0)[0]
         qsl = plan.inputs.query_start_loc
         for i in want:
