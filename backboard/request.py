@@ -88,10 +88,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -142,7 +142,6 @@ class InputBatch:
         self.state_slots = np.zeros((max_reqs, slots_per_req), dtype=np.int64)
         self.cur_slot = np.zeros(max_reqs, dtype=np.int64)        # slot holding the current state
         self.row_of: dict[str, int] = {}
-        self.params: dict[str, object] = {}                       # row -> SamplingParams etc.
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt: int, block_ids: list[int],
