@@ -841,20 +841,14 @@ def main(args: argparse.Namespace) -> int:
     results["checks"] = checks
     save()
     print(f"kernel checks done at {time.time() - t_start:.0f} s", flush=True)
-    try:
-        checks += e2e_check(plan)
-    except Exception as e:  # noqa: BLE001
-        if plan.smoke:
-            raise
-        traceback.print_exc()
-        checks.append(dict(name="e2e", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
-    try:
-        checks += engine_check(plan)
-    except Exception as e:  # noqa: BLE001
-        if plan.smoke:
-            raise
-        traceback.print_exc()
-        checks.append(dict(name="engine", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+    for name, check in (("e2e", e2e_check), ("engine", engine_check)):
+        try:
+            checks += check(plan)
+        except Exception as e:  # noqa: BLE001 - record the failure, keep the other results
+            if plan.smoke:
+                raise
+            traceback.print_exc()
+            checks.append(dict(name=name, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
     results["checks"] = checks
     save()
     print(f"checks done at {time.time() - t_start:.0f} s", flush=True)

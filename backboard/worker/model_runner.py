@@ -38,6 +38,7 @@ class StepPlan:
     logit_rows: np.ndarray        # flat token rows that go through the LM head
     logit_start: np.ndarray       # [B] first logit row of each request (valid where samples)
     inputs: StepInputs
+    spec_dst: list | None = None  # [B] verify destination slots per row (None: no verify rows)
 
     @property
     def has_spec(self) -> bool:
@@ -209,7 +210,7 @@ class ModelRunner:
                             self.block_size, self.device)
         samples = num_computed + q_lens >= b.num_tokens[rows]
         plan = StepPlan(req_ids, rows, q_lens, num_computed, drafts, is_spec, samples,
-                        np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64), inputs)
+                        np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64), inputs, spec_dst)
         # rows of the LM head: each sampling request's last n_logits tokens
         n_logits = plan.n_logits
         np.cumsum(n_logits[:-1], out=plan.logit_start[1:])
@@ -340,8 +341,8 @@ class ModelRunner:
                 n = b.num_tokens[row]
                 b.token_ids[row, n:n + len(toks)] = toks
                 b.num_tokens[row] = n + len(toks)
-                if plan.drafts[i]:
-                    b.cur_slot[row] = self._verify_slots(row, len(plan.drafts[i]) + 1)[accepted[i]]
+                if plan.drafts[i]:      # the state after the last accepted row is the current one
+                    b.cur_slot[row] = plan.spec_dst[i][accepted[i]]
         out = ModelRunnerOutput(req_ids=plan.req_ids, sampled_token_ids=sampled, logprobs=lps,
                                 prompt_logprobs=prompt_lps)
         if plan.has_spec:

@@ -59,12 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     x2 = _rows(op, "x", x, N)
     check_devices(op, _rms_norm_kernel, x=x, weight=weight)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        BLOCK = next_pow2(N)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, x2.stride(0), x2, x2.stride(0), out, out.stride(0), out, out.stride(0),
-            weight, N, float(eps), BLOCK=BLOCK, HAS_RESIDUAL=False, ZERO_CENTERED=bool(zero_centered),
-            num_warps=_warps(BLOCK))
+    _launch_rms_norm(x2, None, out, None, weight, eps, zero_centered)
     return out.view(x.shape)
 
 
@@ -83,13 +78,24 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     check_devices(op, _rms_norm_kernel, x=x, residual=residual, weight=weight)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(x2.shape, dtype=residual.dtype, device=x.device)
-    if x2.shape[0]:
-        BLOCK = next_pow2(N)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, x2.stride(0), r2, r2.stride(0), out, out.stride(0), res_out, res_out.stride(0),
-            weight, N, float(eps), BLOCK=BLOCK, HAS_RESIDUAL=True, ZERO_CENTERED=bool(zero_centered),
-            num_warps=_warps(BLOCK))
+    _launch_rms_norm(x2, r2, out, res_out, weight, eps, zero_centered)
     return out.view(x.shape), res_out.view(x.shape)
+
+
+def _launch_rms_norm(x2: torch.Tensor, r2: torch.Tensor | None, out: torch.Tensor,
+                     res_out: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     zero_centered: bool) -> None:
+    """One program per row of x2 [rows, N]; with r2, also writes x2 + r2 to res_out."""
+    if not x2.shape[0]:
+        return
+    N = weight.shape[0]
+    BLOCK = next_pow2(N)
+    r2 = x2 if r2 is None else r2
+    res = out if res_out is None else res_out
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, x2.stride(0), r2, r2.stride(0), out, out.stride(0), res, res.stride(0),
+        weight, N, float(eps), BLOCK=BLOCK, HAS_RESIDUAL=res_out is not None,
+        ZERO_CENTERED=bool(zero_centered), num_warps=_warps(BLOCK))
 
 
 @triton.jit
