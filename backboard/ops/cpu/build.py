@@ -73,7 +73,12 @@ def cpu_isa() -> str:
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+    """False (logged once) when BACKBOARD_CPU_KERNELS turns the kernels off; read at every call,
+    so callers can check it per call (ops/dispatch.py does)."""
+    on = os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+    if not on:
+        _warn_once(f"{ENV_DISABLE}=0: CPU kernels disabled, running the torch references")
+    return on
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +87,6 @@ def load_kernels(family: str, sources: tuple[str, ...], isa: str | None = None) 
     one ISA level; None (logged once) when kernels are disabled or the build fails."""
     isa = isa or cpu_isa()
     if not kernels_enabled():
-        _warn_once(f"{ENV_DISABLE}=0: CPU kernels disabled, running the torch references")
         return None
     try:
         return _build(family, tuple(str(SRC_DIR / s) for s in sources), isa)
@@ -99,9 +103,12 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
 
     _, mflags = ISA_LEVELS[isa]
     macro = f"-DBB_ISA_{isa.upper()}"
-    cflags = ["-O3", "-std=c++17", "-fopenmp", macro, *mflags]
-    # the sources' hash is in the name: an edited kernel never loads a stale build
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()[:8]
+    cflags = ["-O3", "-fopenmp", macro, *mflags]       # the C++ standard: cpp_extension's (torch's)
+    # the hash of the sources, this folder's headers and the flags is in the name: an edited
+    # kernel or header never loads a stale build
+    inputs = [Path(p).read_bytes() for p in paths]
+    inputs += [h.read_bytes() for h in sorted(SRC_DIR.glob("*.h"))] + [" ".join(cflags).encode()]
+    digest = hashlib.sha1(b"\0".join(inputs)).hexdigest()[:8]
     return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 

@@ -1,0 +1,130 @@
+"""The C++ CPU GEMMs (ops/cpu/gemm.cpp) against the torch references, on every ISA level the tests
+build: this CPU's best, AVX2 and the portable one. Odd shapes on purpose: M = 1, 3, 17, 64, 100
+(full and partial register tiles, both paths), N not a multiple of the channel block, K not a
+multiple of the vector width (the scalar tail)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from backboard.ops import quant
+from backboard.ops.cpu import build, gemm
+
+LEVELS = list(dict.fromkeys(lv for lv in (build.cpu_isa(), "avx2", "portable")
+                            if lv in build.supported_isas()))
+ROWS = (1, 3, 17, 64, 100)
+
+
+@pytest.fixture(scope="session")
+def gemm_mods():
+    """Every tested level, built once per session (in parallel: each build takes ~30 s)."""
+    with ThreadPoolExecutor(len(LEVELS)) as ex:
+        mods = dict(zip(LEVELS, ex.map(gemm.module, LEVELS)))
+    assert all(mods.values()), f"a kernel build failed: {mods} (is g++ installed?)"
+    return mods
+
+
+@pytest.fixture(params=LEVELS)
+def mod(request, gemm_mods):
+    m = gemm_mods[request.param]
+    assert m.isa() == request.param
+    return m
+
+
+def _ref_bf16(x, w, bias=None):
+    y = x.float() @ w.float().t()
+    return y if bias is None else y + bias.float()
+
+
+def _close_fp32(y, ref):
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+@pytest.mark.parametrize("panel", [False, True], ids=["rows", "panel"])
+def test_bf16_weights_match_fp32_reference(mod, M, x_dtype, panel):
+    N, K = 67, 100 + mod.VW + 3                          # partial channel block, K tail
+    w, x, b = torch.randn(N, K).bfloat16(), torch.randn(M, K).to(x_dtype), torch.randn(N)
+    ref = _ref_bf16(x, w)
+    _close_fp32(mod.linear_bf16(x, w, None, True, panel), ref)
+    _close_fp32(mod.linear_bf16(x, w, b, True, panel), ref + b)
+    y16 = mod.linear_bf16(x, w, b.bfloat16(), False, panel)
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16, (ref + b.bfloat16().float()).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_strided_rows_and_batched_shapes(mod):
+    w = torch.randn(40, 72).bfloat16()
+    x = torch.randn(6, 2 * 72)[:, :72]                   # rows strided, elements contiguous
+    _close_fp32(mod.linear_bf16(x, w, None, True, False), _ref_bf16(x, w))
+    x3 = torch.randn(2, 5, 72).bfloat16()
+    y = gemm.linear_bf16(x3, w, mod=mod)
+    assert y.shape == (2, 5, 40) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), _ref_bf16(x3.reshape(10, 72), w).view(2, 5, 40),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_fp32_activations_are_not_rounded_to_bf16(mod):
+    """Weights in bf16, activations in fp32: products use the full fp32 x (a kernel that rounded x
+    to bf16, as VDPBF16PS would, loses the 2^-12 terms)."""
+    K = 256
+    w = torch.ones(8, K, dtype=torch.bfloat16)
+    x = torch.full((2, K), 1.0 + 2.0 ** -12)
+    y = mod.linear_bf16(x, w, None, True, False)
+    assert torch.all(y == K * (1.0 + 2.0 ** -12)), y[0, 0].item()
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+def test_int8_matches_reference(mod, M, x_dtype):
+    N, K = 45, 2 * mod.VW + 5
+    q, s = quant.quantize_int8(torch.randn(N, K))
+    x = torch.randn(M, K).to(x_dtype)
+    ref = quant.int8_linear_ref(x.float(), q, s)
+    for panel in (False, True):
+        _close_fp32(mod.linear_int8(x, q, s, None, True, panel), ref)
+    y = gemm.int8_linear(x, q, s, mod=mod)
+    assert y.dtype == x_dtype
+    torch.testing.assert_close(y.float(), quant.int8_linear_ref(x, q, s).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("group", [32, 48, 128])
+def test_int4_matches_reference(mod, M, group):
+    """group 48 is not a whole number of AVX-512 steps: the kernel takes its scalar path there."""
+    N, K = 37, 384
+    p, sc = quant.quantize_int4(torch.randn(N, K), group, scale_dtype=torch.bfloat16)
+    x = torch.randn(M, K)
+    ref = quant.int4_linear_ref(x, p, sc, group)
+    for panel in (False, True):
+        _close_fp32(mod.linear_int4(x, p, sc, group, True, panel), ref)
+    xb = x.bfloat16()
+    torch.testing.assert_close(gemm.int4_linear(xb, p, sc, group, mod=mod).float(),
+                               quant.int4_linear_ref(xb, p, sc, group).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_wrong_weight_fails_the_comparison(mod):
+    """The tolerances catch a one-element error in the weights (these tests can fail)."""
+    w, x = torch.randn(16, 64).bfloat16(), torch.randn(3, 64)
+    bad = w.clone()
+    bad[5, 63] += 1.0
+    with pytest.raises(AssertionError):
+        _close_fp32(mod.linear_bf16(x, bad, None, True, False), _ref_bf16(x, w))
+
+
+def test_bad_arguments_are_clear_errors(mod):
+    w = torch.randn(8, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="K=31 but the weight has K=32"):
+        mod.linear_bf16(torch.randn(2, 31), w, None, True, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.linear_bf16(torch.randn(2, 32).half(), w, None, True, False)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mod.linear_bf16(torch.randn(2, 32), w, torch.zeros(7), True, False)
+    with pytest.raises(RuntimeError, match="group_size must be even"):
+        mod.linear_int4(torch.randn(2, 32), torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1), 12)
+    assert mod.linear_bf16(torch.randn(0, 32), w, None, True, False).shape == (0, 8)
