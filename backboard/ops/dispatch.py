@@ -1,4 +1,5 @@
-"""GPU-path selection: per call, a Triton kernel (ops/triton/) or its torch reference.
+"""Kernel selection: per call, a Triton kernel (ops/triton/) on CUDA, our C++ kernel (ops/cpu/) on
+the CPU, or the torch reference.
 
 Every entry point here has the signature of its torch reference and returns the same thing, so a
 layer calls `dispatch.x(...)` and never needs to know which one ran.
@@ -13,6 +14,10 @@ Selection (`use_triton(*tensors)`), read at every call:
 `override("torch" | "triton" | "auto")` does the same for a scope (benchmarks, tests) and wins
 over the environment.
 
+On CPU tensors in auto mode, entries with a C++ kernel (`use_cpu_kernels`) run it when its
+family built for this CPU's instruction set (ops/cpu/build.py; BACKBOARD_CPU_KERNELS=0 turns
+them off); without a compiler the torch reference runs, and the build logs that once.
+
 triton is never imported when this module is imported (it is a test-only dependency on a
 CPU install): the probe and the kernel modules are imported on first use.
 """
@@ -25,8 +30,11 @@ import os
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from backboard.ops.activation import silu_mul_ref
+from backboard.ops.cpu import gemm as cpu_gemm
+from backboard.ops.cpu.build import kernels_enabled
 from backboard.ops.attention import paged_attention_uniform
 from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.norm import fused_add_rms_norm_ref
@@ -101,6 +109,21 @@ def override(mode: str) -> Iterator[None]:
         _override = prev
 
 
+def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether a C++ CPU kernel may run for these tensors: auto mode, all on the CPU, kernels not
+    turned off. The caller still needs its family to have built (its module is not None)."""
+    return (kernel_mode() == "auto" and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+            and kernels_enabled())
+
+
+def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):
+    """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
+    if not use_cpu_kernels(x, *weights):
+        return None
+    mod = cpu_gemm.module()
+    return mod if mod is not None and cpu_gemm.supports(x, *weights, group_size=group_size, mod=mod) else None
+
+
 def _kernels(name: str):
     """A kernel module of backboard.ops.triton, imported on first use."""
     return importlib.import_module(f"backboard.ops.triton.{name}")
@@ -154,14 +177,30 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels("activation").silu_mul(x) if use_triton(x) else silu_mul_ref(x)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear (x [..., K] @ weight [N, K]^T + bias -> [..., N]) in out_dtype (default x's).
+    bf16 weights on the CPU: the C++ kernel (fp32 accumulation, no bf16 rounding before out_dtype)."""
+    if weight.dtype == torch.bfloat16 and (mod := _cpu_gemm(x, weight)) is not None:
+        return cpu_gemm.linear_bf16(x, weight, bias, out_dtype, mod=mod)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """See ops.quant.int8_linear_ref: x [M, K] @ (int8 [N, K] * scale [N])^T -> [M, N]."""
-    fn = _kernels("quant_gemm").int8_linear if use_triton(x) else int8_linear_ref
-    return fn(x, q, scale)
+    if use_triton(x):
+        return _kernels("quant_gemm").int8_linear(x, q, scale)
+    if (mod := _cpu_gemm(x, q, scale)) is not None:
+        return cpu_gemm.int8_linear(x, q, scale, mod=mod)
+    return int8_linear_ref(x, q, scale)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """See ops.quant.int4_linear_ref: x [M, K] @ dequant(uint8 [N, K//2], [N, K//G])^T -> [M, N]."""
-    fn = _kernels("quant_gemm").int4_linear if use_triton(x) else int4_linear_ref
-    return fn(x, packed, scales, group_size)
+    if use_triton(x):
+        return _kernels("quant_gemm").int4_linear(x, packed, scales, group_size)
+    if (mod := _cpu_gemm(x, packed, scales, group_size=group_size)) is not None:
+        return cpu_gemm.int4_linear(x, packed, scales, group_size, mod=mod)
+    return int4_linear_ref(x, packed, scales, group_size)

@@ -5,12 +5,17 @@ multiple of the vector width (the scalar tail)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from backboard.ops import quant
+from backboard.ops import dispatch, quant
 from backboard.ops.cpu import build, gemm
 
 LEVELS = list(dict.fromkeys(lv for lv in (build.cpu_isa(), "avx2", "portable")
@@ -128,3 +133,98 @@ def test_bad_arguments_are_clear_errors(mod):
     with pytest.raises(RuntimeError, match="group_size must be even"):
         mod.linear_int4(torch.randn(2, 32), torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1), 12)
     assert mod.linear_bf16(torch.randn(0, 32), w, None, True, False).shape == (0, 8)
+
+
+# ---- dispatch: which implementation runs -----------------------------------------------------
+@pytest.fixture
+def spy(monkeypatch, gemm_mods):
+    calls = []
+    for name in ("linear_bf16", "int8_linear", "int4_linear"):
+        real = getattr(gemm, name)
+        monkeypatch.setattr(gemm, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    return calls
+
+
+def test_dispatch_runs_the_cpu_kernels_in_auto_mode(spy):
+    w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    q, s = quant.quantize_int8(w.float())
+    p, sc = quant.quantize_int4(w.float(), 32)
+    y = dispatch.linear(x, w, out_dtype=torch.float32)
+    _close_fp32(y, _ref_bf16(x, w))
+    dispatch.int8_linear(x.float(), q, s)
+    dispatch.int4_linear(x, p, sc, 32)
+    assert spy == ["linear_bf16", "int8_linear", "int4_linear"]
+    with dispatch.override("torch"):                      # the oracle stays reachable
+        torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+        dispatch.int8_linear(x.float(), q, s)
+    assert len(spy) == 3
+    dispatch.linear(x.float(), w.float())                 # fp32 weights: torch's fp32 GEMM
+    dispatch.int4_linear(x, *quant.quantize_int4(w.float(), 16), 16)   # 16 % INT4_STEP: reference
+    assert len(spy) == 3 + (16 % gemm.module().INT4_STEP == 0)
+
+
+def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
+    monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
+    w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+    assert spy == []
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+    def no_compiler(*a):
+        raise RuntimeError("Error building extension\ng++: not found")
+    monkeypatch.setattr(build, "_build", no_compiler)
+    build._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.load_kernels("gemm_test_nocc", ("gemm.cpp",), "portable") is None
+        assert build.load_kernels("gemm_test_nocc2", ("gemm.cpp",), "portable") is None
+    msgs = [r.message for r in caplog.records if "could not build" in r.message]
+    assert len(msgs) == 2 and "g++: not found" in msgs[0] and "torch references" in msgs[0]
+
+
+def test_engine_without_kernels_runs_on_the_references(tmp_path):
+    """BACKBOARD_CPU_KERNELS=0 in a fresh process: the layers still run (torch references) and the
+    log says so once."""
+    code = ("import logging, torch; logging.basicConfig(level=logging.WARNING);"
+            "from backboard.layers.linear import Linear; from backboard.layers.embedding import LMHead;"
+            "lin = Linear(64, [32, 16], torch.bfloat16); torch.nn.init.normal_(lin.weight);"
+            "head = LMHead(100, 64, torch.bfloat16); torch.nn.init.normal_(head.weight);"
+            "x = torch.randn(3, 64).bfloat16();"
+            "assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight));"
+            "assert head(x).dtype == torch.float32; lin(x); print('ok')")
+    env = dict(os.environ, BACKBOARD_CPU_KERNELS="0")
+    env.pop("BACKBOARD_KERNELS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert r.stderr.count("CPU kernels disabled") == 1, r.stderr
+
+
+# ---- the whole model in bf16 -----------------------------------------------------------------
+def _two_steps(path: str, dtype: str, mode: str) -> torch.Tensor:
+    """Prefill of 100 + 7 tokens (the panel path), then a 2-row decode step (the rows path):
+    the decode logits [2, V] in fp32."""
+    from tests.models.driver import FlatBatchDriver
+
+    d = FlatBatchDriver(path, dtype=dtype, block_size=8, num_blocks=64, num_slots=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (100, 7)]
+    with dispatch.override(mode):
+        d.step([(0, prompts[0]), (1, prompts[1])])
+        out = d.step([(0, [5]), (1, [9])])
+    return torch.stack([out[0], out[1]]).float()
+
+
+def test_bf16_model_on_the_kernels_is_as_close_to_fp32_as_torch_bf16(hybrid_model, spy):
+    """The same checkpoint in bf16 through our kernels and through torch's bf16 matmuls, both
+    against the fp32 model: ours is no further from it (fp32 accumulation, one rounding)."""
+    fp32 = _two_steps(hybrid_model, "float32", "torch")
+    torch_bf16 = _two_steps(hybrid_model, "bfloat16", "torch")
+    assert spy == []
+    ours = _two_steps(hybrid_model, "bfloat16", "auto")
+    assert spy.count("linear_bf16") >= 2 * 4, spy          # every layer's projections, both steps
+    err_ours, err_torch = (ours - fp32).abs().max(), (torch_bf16 - fp32).abs().max()
+    scale = fp32.abs().max()
+    assert err_ours <= 1.25 * err_torch + 1e-3 * scale, (err_ours, err_torch, scale)
+    assert err_ours <= 0.1 * scale
