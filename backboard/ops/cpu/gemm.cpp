@@ -21,6 +21,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "gemm_simd.h"
 
@@ -29,14 +30,18 @@ namespace {
 
 // ---- weight formats: NV vectors (WV) of weights per STEP elements of K ----------------------------
 // load(n, k, out)   the weights of channel n at k .. k+STEP, paired with loadx(x + k + v * XLANES)
+// at(n, k)          the address of those weights (software prefetch)
 // scalar(n, k)      one weight as fp32 (the K tail), row_scale(n) applied after the dot product
 // widen(n, dst, K)  channel n as fp32 in natural order, row scale applied (the prefill panel)
 
+// x permuted in blocks of 2 VW (even elements, then odd: permute_x): a bf16 pair is widened by a
+// shift and an and, half the work of widening element by element
 struct Bf16W {                       // bf16 weights, fp32 activations
-  static constexpr int STEP = VW, NV = 1, XLANES = VW;
+  static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
   using XT = float; using WV = VF; using XV = VF;
   const uint16_t* w; int64_t ldw;
-  void load(int64_t n, int64_t k, WV* o) const { o[0] = vload_bf16(w + n * ldw + k); }
+  void load(int64_t n, int64_t k, WV* o) const { vload_bf16x2(w + n * ldw + k, o[0], o[1]); }
+  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
   static XV loadx(const float* p) { return vload(p); }
   static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
   static float xs(float v) { return v; }
@@ -56,6 +61,7 @@ struct Int8W {                       // int8 weights, fp32 scale per output chan
   using XT = float; using WV = VF; using XV = VF;
   const int8_t* q; int64_t ldq; const float* scale;
   void load(int64_t n, int64_t k, WV* o) const { o[0] = vload_i8(q + n * ldq + k); }
+  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k; }
   static XV loadx(const float* p) { return vload(p); }
   static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
   static float xs(float v) { return v; }
@@ -71,8 +77,8 @@ struct Int8W {                       // int8 weights, fp32 scale per output chan
 
 // int4: byte j holds element 2j (low nibble) and 2j+1 (high), stored as q + 8; one fp32 scale per
 // group of G elements. A step of 2*VW elements is one load of VW bytes giving the even elements
-// (lo) and the odd ones (hi), so x is passed permuted: in each block of 2*VW, the VW even elements
-// then the VW odd ones (permute_x below). Steps never straddle a group when G % STEP == 0.
+// (lo) and the odd ones (hi), paired with x permuted as for Bf16W. Steps never straddle a group
+// when G % STEP == 0.
 struct Int4W {
   static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
   using XT = float; using WV = VF; using XV = VF;
@@ -84,6 +90,7 @@ struct Int4W {
     o[0] = vfma(o[0], s, m8);         // (u - 8) * s
     o[1] = vfma(o[1], s, m8);
   }
+  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k / 2; }
   static XV loadx(const float* p) { return vload(p); }
   static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
   static float xs(float v) { return v; }
@@ -109,7 +116,11 @@ struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16P
   static constexpr int STEP = 32, NV = 1, XLANES = 32;
   using XT = uint16_t; using WV = __m512i; using XV = __m512i;
   const uint16_t* w; int64_t ldw;
-  void load(int64_t n, int64_t k, WV* o) const { o[0] = _mm512_loadu_si512(w + n * ldw + k); }
+  void load(int64_t n, int64_t k, WV* o) const {
+    o[0] = _mm512_loadu_si512(w + n * ldw + k);
+    asm volatile("" : "+v"(o[0]));   // keep it in a register: GCC otherwise reloads it for every row
+  }
+  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
   static XV loadx(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static VF fma(VF acc, WV a, XV b) { return {_mm512_dpbf16_ps(acc.v, (__m512bh)b, (__m512bh)a)}; }
   static float xs(uint16_t v) { return bf16_to_f32(v); }
@@ -120,13 +131,26 @@ struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16P
 #endif
 
 // ---- register tiles ---------------------------------------------------------------------------
+// MB x NB for M >= 2 (accumulators + NB * NV weight vectors + one x vector fit the registers);
+// 1 x NB1 for one row, where more channels side by side keep more loads in flight
 #if defined(BB_SIMD_AVX512)
-constexpr int MB = 4, NB = 4;        // 16 accumulators + 4..8 weight vectors of 32 registers
+constexpr int MB = 4, NB = 4, NB1 = 8;   // 16 + 8 + 1 of 32 registers
 #elif defined(BB_SIMD_AVX2)
-constexpr int MB = 2, NB = 4;        // 8 accumulators + 4..8 weight vectors of 16 registers
+constexpr int MB = 4, NB = 2, NB1 = 4;   // 8 + 4 + 1 of 16 registers (2 x 4 is as fast, 1.1x slower at M = 1)
 #else
-constexpr int MB = 2, NB = 2;
+constexpr int MB = 2, NB = 2, NB1 = 4;
 #endif
+
+// software prefetch of weights PF_TILES tiles ahead, into L2 (into L1 it was slower: the L1 miss
+// buffers fill up; measured on a Zen 4, 2x on the LM head's GEMV)
+constexpr int PF_TILES = 2;
+inline void prefetch(const void* p) {
+#if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
 
 struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 bias [N]
   float* yf; uint16_t* yb; int64_t ldy; const float* bias;
@@ -142,6 +166,9 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
   const typename F::XT* xm = x + m0 * ldx;
   for (int64_t k = 0; k < kv; k += F::STEP) {
     typename F::WV w[TN][F::NV];
+    // rows are short (K = 512: 1 KiB) and a tile reads TN of them side by side: the hardware
+    // prefetchers lose track, so fetch the next tile's lines while this one computes
+    for (int j = 0; j < TN; ++j) prefetch(f.at(n0 + PF_TILES * TN + j, k));
     for (int j = 0; j < TN; ++j) f.load(n0 + j, k, w[j]);
     for (int v = 0; v < F::NV; ++v)
       for (int i = 0; i < TM; ++i) {
@@ -149,10 +176,16 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
         for (int j = 0; j < TN; ++j) acc[i][j] = F::fma(acc[i][j], w[j][v], xv);
       }
   }
+  float sums[TM * TN];
+  if constexpr (TM * TN % VW == 0) {
+    for (int c = 0; c < TM * TN; c += VW) vsum_vw(&acc[0][0] + c, sums + c);
+  } else {
+    for (int c = 0; c < TM * TN; ++c) sums[c] = vsum((&acc[0][0])[c]);
+  }
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) {
       const int64_t m = m0 + i, n = n0 + j;
-      float s = vsum(acc[i][j]);
+      float s = sums[i * TN + j];
       for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(xm[i * ldx + k]);
       s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
       if (o.yf) o.yf[m * o.ldy + n] = s;
@@ -170,26 +203,33 @@ inline void tile_rows(const F& f, int mb, const typename F::XT* x, int64_t ldx, 
   tile<F, TM, TN>(f, x, ldx, m0, n0, K, kv, o);
 }
 
-// every output channel, threads over blocks of NB channels
-template <class F>
-void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
-               const Out& o) {
+// every output channel, threads over blocks of TN channels; each block's tiles walk down M
+template <class F, int TM, int TN>
+void rows_tiled(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
+                const Out& o) {
   const int64_t kv = f.vector_k(K);
-  const int64_t nblocks = (N + NB - 1) / NB;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * NB));
+  const int64_t nblocks = (N + TN - 1) / TN;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int mb = int(std::min<int64_t>(MB, M - m0));
-        if (n0 + NB <= N) {
-          tile_rows<F, MB, NB>(f, mb, x, ldx, m0, n0, K, kv, o);
+      const int64_t n0 = b * TN;
+      for (int64_t m0 = 0; m0 < M; m0 += TM) {
+        const int mb = int(std::min<int64_t>(TM, M - m0));
+        if (n0 + TN <= N) {
+          tile_rows<F, TM, TN>(f, mb, x, ldx, m0, n0, K, kv, o);
         } else {
-          for (int64_t n = n0; n < N; ++n) tile_rows<F, MB, 1>(f, mb, x, ldx, m0, n, K, kv, o);
+          for (int64_t n = n0; n < N; ++n) tile_rows<F, TM, 1>(f, mb, x, ldx, m0, n, K, kv, o);
         }
       }
     }
   });
+}
+
+template <class F>
+void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
+               const Out& o) {
+  if (M == 1) rows_tiled<F, 1, NB1>(f, x, ldx, M, N, K, o);
+  else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
 // prefill: widen NC channels at a time into an fp32 panel, fp32 GEMM into y32 [M, N] (strided)
@@ -229,7 +269,7 @@ at::Tensor x_fp32(const at::Tensor& x) {
   return x.to(at::kFloat).contiguous();
 }
 
-at::Tensor permute_x(const at::Tensor& x, int64_t kv) {     // see Int4W
+at::Tensor permute_x(const at::Tensor& x, int64_t kv) {     // see Bf16W
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor xp = xf.clone();
   const int64_t M = xf.size(0), K = xf.size(1);
@@ -293,8 +333,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     return y;
   }
 #endif
-  at::Tensor xr = panel ? x : x_fp32(x);
-  return run(Bf16W{wp, w.stride(0)}, x, xr, N, K, bias, out_fp32, panel);
+  Bf16W f{wp, w.stride(0)};
+  at::Tensor xr = panel ? x : permute_x(x, f.vector_k(K));
+  return run(f, x, xr, N, K, bias, out_fp32, panel);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -325,6 +366,35 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   return run(f, x, xr, N, K, c10::nullopt, out_fp32, panel);
 }
 
+// sum of a bf16 tensor, threads over contiguous chunks: a pure streaming read, the memory floor
+// that benchmarks/cpu_kernels.py measures the GEMMs against
+double sum_bf16(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
+              "sum_bf16: a contiguous bf16 CPU tensor");
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  const int64_t chunk = 1 << 16, n = t.numel(), nchunks = (n + chunk - 1) / chunk;
+  std::vector<double> part(nchunks, 0.0);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * chunk, e = std::min(n, b + chunk);
+      VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      int64_t i = b;
+      for (; i + 4 * VW <= e; i += 4 * VW) {
+        a0 = vfma(vload_bf16(p + i), vset1(1.f), a0);
+        a1 = vfma(vload_bf16(p + i + VW), vset1(1.f), a1);
+        a2 = vfma(vload_bf16(p + i + 2 * VW), vset1(1.f), a2);
+        a3 = vfma(vload_bf16(p + i + 3 * VW), vset1(1.f), a3);
+      }
+      double s = double(vsum(a0)) + vsum(a1) + vsum(a2) + vsum(a3);
+      for (; i < e; ++i) s += bf16_to_f32(p[i]);
+      part[c] = s;
+    }
+  });
+  double s = 0.0;
+  for (double v : part) s += v;
+  return s;
+}
+
 const char* isa() {
 #if defined(BB_ISA_AVX512_BF16)
   return "avx512_bf16";
@@ -350,6 +420,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale"_a, "bias"_a = py::none(), "out_fp32"_a = true, "panel"_a = false, nogil);
   m.def("linear_int4", &bb::linear_int4, "x @ dequant_int4(packed [N,K/2], scales [N,K/G])^T",
         "x"_a, "packed"_a, "scales"_a, "group_size"_a, "out_fp32"_a = true, "panel"_a = false, nogil);
+  m.def("sum_bf16", &bb::sum_bf16, "sum of a bf16 tensor (a streaming read: the bandwidth probe)",
+        nogil);
   m.def("isa", &bb::isa);
   m.attr("VW") = bb::VW;
   m.attr("INT4_STEP") = 2 * bb::VW;

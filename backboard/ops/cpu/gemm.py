@@ -6,25 +6,31 @@ widened in registers, fp32 accumulation (C++: gemm.cpp; weight formats: ops/quan
     y = int4_linear(x, packed, scales, group_size)   # same contract as ops.quant.int4_linear_ref
 
 Each function takes `mod=`, the compiled family for one ISA level (`module(isa)`; tests run
-every level the CPU has), and picks the path by the number of rows M:
-  rows   M <= ROWS_MAX[level]: threads over output channels, MB x NB register tiles, each weight
-         byte read once per step for up to MB rows (the decode GEMV / small-M GEMM)
-  panel  larger M (prefill): weights widened a panel at a time into fp32 scratch and multiplied
-         by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
-The thresholds come from benchmarks/cpu_kernels.py on the machines this project runs on.
+every level the CPU has), and picks the path by the number of rows M (POLICY):
+  rows    M <= rows_max: threads over output channels, MB x NB register tiles, each weight byte
+          read once per step for up to MB rows (the decode GEMV / small-M GEMM)
+  panel   larger M (prefill): weights widened a panel at a time into fp32 scratch and multiplied
+          by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
+  native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
+          (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
+The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, 1 thread, Zen 4: our rows path
+matches oneDNN up to M = 64-128 and beats torch's fp32 GEMM, which runs MKL's AVX2 code on AMD).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from backboard.ops.cpu.build import cpu_isa, load_kernels
 
 FAMILY, SOURCES = "gemm", ("gemm.cpp",)
 X_DTYPES = (torch.float32, torch.bfloat16)
 
-# rows path up to this many rows (bf16 weights, int8/int4 weights); the panel path above
-ROWS_MAX = {"avx512_bf16": (64, 48), "avx512": (48, 48), "avx2": (24, 24), "portable": (8, 8)}
+# level: (rows path up to M rows for bf16 weights, for int8/int4 weights; above: panel, or
+# native for bf16 weights and bf16 activations where the CPU multiplies bf16 natively)
+POLICY = {"avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
+          "avx2": (24, 24, "panel"), "portable": (8, 8, "panel")}
 
 
 def module(isa: str | None = None):
@@ -34,7 +40,7 @@ def module(isa: str | None = None):
 
 
 def _panel(mod, M: int, quantized: bool) -> bool:
-    return M > ROWS_MAX[mod.isa()][int(quantized)]
+    return M > POLICY[mod.isa()][int(quantized)]
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,10 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     mod = mod or module()
     out_dtype = out_dtype or x.dtype
     x2 = _rows_2d(x)
-    y = mod.linear_bf16(x2, w, bias, out_dtype == torch.float32, _panel(mod, x2.shape[0], False))
+    large = _panel(mod, x2.shape[0], False)
+    if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
+        return F.linear(x, w, bias).to(out_dtype)
+    y = mod.linear_bf16(x2, w, bias, out_dtype == torch.float32, large)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
