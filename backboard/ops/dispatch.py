@@ -112,7 +112,7 @@ def override(mode: str) -> Iterator[None]:
 def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     """Whether a C++ CPU kernel may run for these tensors: auto mode, all on the CPU, kernels not
     turned off. The caller still needs its family to have built (its module is not None)."""
-    return (kernel_mode() == "auto" and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    return (kernel_mode() == "auto" and bool(tensors) and all(t.is_cpu for t in tensors)
             and kernels_enabled())
 
 

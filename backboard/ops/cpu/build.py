@@ -55,10 +55,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def supported_isas() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def supported_isas() -> tuple[str, ...]:
     """Every level this CPU runs, best first ("portable" always last)."""
     flags = cpu_flags()
-    return [name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need)]
+    return tuple(name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need))
 
 
 def cpu_isa() -> str:

@@ -164,11 +164,13 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = vzero();
   const typename F::XT* xm = x + m0 * ldx;
+  // rows are short (K = 512: 1 KiB) and a tile reads TN of them side by side: the hardware
+  // prefetchers lose track, so fetch the lines PF_TILES tiles ahead while this one computes
+  const std::ptrdiff_t pf = static_cast<const char*>(f.at(n0 + PF_TILES * TN, 0)) -
+                            static_cast<const char*>(f.at(n0, 0));
   for (int64_t k = 0; k < kv; k += F::STEP) {
     typename F::WV w[TN][F::NV];
-    // rows are short (K = 512: 1 KiB) and a tile reads TN of them side by side: the hardware
-    // prefetchers lose track, so fetch the next tile's lines while this one computes
-    for (int j = 0; j < TN; ++j) prefetch(f.at(n0 + PF_TILES * TN + j, k));
+    for (int j = 0; j < TN; ++j) prefetch(static_cast<const char*>(f.at(n0 + j, k)) + pf);
     for (int j = 0; j < TN; ++j) f.load(n0 + j, k, w[j]);
     for (int v = 0; v < F::NV; ++v)
       for (int i = 0; i < TM; ++i) {
@@ -179,6 +181,8 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
   float sums[TM * TN];
   if constexpr (TM * TN % VW == 0) {
     for (int c = 0; c < TM * TN; c += VW) vsum_vw(&acc[0][0] + c, sums + c);
+  } else if constexpr (TM * TN % 8 == 0) {
+    for (int c = 0; c < TM * TN; c += 8) vsum_8(&acc[0][0] + c, sums + c);
   } else {
     for (int c = 0; c < TM * TN; ++c) sums[c] = vsum((&acc[0][0])[c]);
   }

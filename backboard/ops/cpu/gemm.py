@@ -13,8 +13,9 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
           by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
-The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, 1 thread, Zen 4: our rows path
-matches oneDNN up to M = 64-128 and beats torch's fp32 GEMM, which runs MKL's AVX2 code on AMD).
+The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, one Zen 4 core: with VDPBF16PS
+the rows path matches oneDNN's bf16 matmul up to M = 64-128; AVX2 rows match MKL's fp32 GEMM up to
+M = 128 and trail the panel path by ~10% at 256).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 # level: (rows path up to M rows for bf16 weights, for int8/int4 weights; above: panel, or
 # native for bf16 weights and bf16 activations where the CPU multiplies bf16 natively)
 POLICY = {"avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
-          "avx2": (24, 24, "panel"), "portable": (8, 8, "panel")}
+          "avx2": (64, 48, "panel"), "portable": (8, 8, "panel")}
 
 
 def module(isa: str | None = None):
@@ -52,13 +53,14 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     """y = x @ w^T (+ bias), x [..., K] fp32 or bf16, w bf16 [N, K] -> [..., N] in out_dtype
     (default x's dtype; fp32 or bf16)."""
     mod = mod or module()
-    out_dtype = out_dtype or x.dtype
-    x2 = _rows_2d(x)
+    out_fp32 = (out_dtype or x.dtype) == torch.float32
+    x2 = x if x.dim() == 2 else _rows_2d(x)
     large = _panel(mod, x2.shape[0], False)
     if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
-        return F.linear(x, w, bias).to(out_dtype)
-    y = mod.linear_bf16(x2, w, bias, out_dtype == torch.float32, large)
-    return y.view(*x.shape[:-1], w.shape[0])
+        y = F.linear(x, w, bias)
+        return y.float() if out_fp32 else y
+    y = mod.linear_bf16(x2, w, bias, out_fp32, large)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, mod=None) -> torch.Tensor:
@@ -79,6 +81,6 @@ def supports(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = N
     """Whether these CPU tensors take the C++ path (else the caller runs the torch reference):
     fp32/bf16 activations; int4 groups a whole number of vector steps (else every element would
     take the kernels' scalar tail)."""
-    if x.dtype not in X_DTYPES or x.device.type != "cpu" or any(w.device.type != "cpu" for w in weights):
+    if x.dtype not in X_DTYPES or not x.is_cpu or not all(w.is_cpu for w in weights):
         return False
     return group_size is None or group_size % (mod or module()).INT4_STEP == 0

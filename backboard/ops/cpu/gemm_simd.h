@@ -1,6 +1,6 @@
 // One fp32 vector type per ISA level (chosen by the BB_ISA_<LEVEL> macro that build.py passes),
-// with the loads the GEMM kernels need (and vsum_vw: the sums of VW vectors at once): bf16 / int8 / packed-int4 weights widened to fp32 in
-// registers. VW is the number of fp32 lanes.
+// with the loads the GEMM kernels need: bf16 / int8 / packed-int4 weights widened to fp32 in
+// registers (and vsum_vw / vsum_8: the sums of many vectors at once). VW: fp32 lanes.
 //
 //   AVX-512 (avx512, avx512_bf16): __m512, 16 lanes
 //   AVX2:                          __m256, 8 lanes
@@ -67,16 +67,25 @@ inline void vload_u4(const uint8_t* p, VF& lo, VF& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(15)));
   hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
 }
-// the sums of VW vectors at once (out[i] = vsum(v[i])): a transposing add tree, 45 instructions
-// for 16 vectors where one vsum each takes ~9
+// the sums of VW (or 8) vectors at once (out[i] = vsum(v[i])): a transposing add tree, 45
+// instructions for 16 vectors where one vsum each takes ~9
+// per 128-bit lane L of the result: the partial sums over lane L of v[0], v[1], v[2], v[3]
+inline __m512 vsum4_lanes(const VF* v) {
+  __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(v[0].v, v[1].v), _mm512_unpackhi_ps(v[0].v, v[1].v));
+  __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(v[2].v, v[3].v), _mm512_unpackhi_ps(v[2].v, v[3].v));
+  return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+}
+inline void vsum_8(const VF* v, float* out) {
+  __m512 t0 = vsum4_lanes(v), t1 = vsum4_lanes(v + 4);
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x44), _mm512_shuffle_f32x4(t0, t1, 0xEE));
+  __m512 r = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0xB1));   // lane 0: t0's sums, lane 2: t1's
+  _mm_storeu_ps(out, _mm512_castps512_ps128(r));
+  _mm_storeu_ps(out + 4, _mm512_extractf32x4_ps(r, 2));
+}
 inline void vsum_vw(const VF* v, float* out) {
   __m512 t[4];
   for (int g = 0; g < 4; ++g) {
-    const __m512 a = v[4 * g].v, b = v[4 * g + 1].v, c = v[4 * g + 2].v, d = v[4 * g + 3].v;
-    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    // per 128-bit lane L: [v0, v1, v2, v3] partial sums over that lane
-    t[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    t[g] = vsum4_lanes(v + 4 * g);
   }
   __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x44), _mm512_shuffle_f32x4(t[0], t[1], 0xEE));
   __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x44), _mm512_shuffle_f32x4(t[2], t[3], 0xEE));
@@ -98,6 +107,8 @@ inline float vsum(VF a) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline void vsum_vw(const VF* v, float* out);
+inline void vsum_8(const VF* v, float* out) { vsum_vw(v, out); }
 inline void vsum_vw(const VF* v, float* out) {       // 8 vectors -> their 8 sums
   __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0].v, v[1].v), _mm256_hadd_ps(v[2].v, v[3].v));
   __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4].v, v[5].v), _mm256_hadd_ps(v[6].v, v[7].v));
@@ -135,6 +146,7 @@ inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = a
 inline VF vmul(VF a, VF b) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
 inline float vsum(VF a) { float s = 0.f; for (int i = 0; i < VW; ++i) s += a.v[i]; return s; }
 inline void vsum_vw(const VF* v, float* out) { for (int i = 0; i < VW; ++i) out[i] = vsum(v[i]); }
+inline void vsum_8(const VF* v, float* out) { for (int i = 0; i < 8; ++i) out[i] = vsum(v[i]); }
 inline VF vload_bf16(const uint16_t* p) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = bf16_to_f32(p[i]); return r; }
 inline void vload_bf16x2(const uint16_t* p, VF& even, VF& odd) {
   for (int i = 0; i < VW; ++i) { even.v[i] = bf16_to_f32(p[2 * i]); odd.v[i] = bf16_to_f32(p[2 * i + 1]); }
