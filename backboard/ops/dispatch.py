@@ -116,6 +116,13 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
             and kernels_enabled())
 
 
+def prepare_cpu_kernels() -> None:
+    """Build (or load from the cache) the CPU kernel families now, e.g. before an engine reports
+    ready, rather than in its first request; a no-op when they are turned off."""
+    if kernel_mode() == "auto" and kernels_enabled():
+        cpu_gemm.module()
+
+
 def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):
     """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
     if not use_cpu_kernels(x, *weights):

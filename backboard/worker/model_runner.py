@@ -15,6 +15,7 @@ import torch
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from backboard.models.loader import load_model, torch_dtype
+from backboard.ops import dispatch
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from backboard.worker.forward_context import set_forward_context
@@ -89,6 +90,8 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            dispatch.prepare_cpu_kernels()            # compile now, not in the first request
         self.load_time_s = time.time() - t0
         self.proposer = proposer
         extra = proposer.num_extra_attn_layers if proposer is not None else 0

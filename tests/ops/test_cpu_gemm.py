@@ -165,6 +165,20 @@ def test_dispatch_runs_the_cpu_kernels_in_auto_mode(spy):
     assert len(spy) == 3 + (16 % gemm.module().INT4_STEP == 0)
 
 
+def test_engines_build_the_kernels_before_their_first_request(monkeypatch):
+    built = []
+    monkeypatch.setattr(gemm, "module", lambda isa=None: built.append(isa))
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    dispatch.prepare_cpu_kernels()
+    assert built == [None]
+    with dispatch.override("torch"):
+        dispatch.prepare_cpu_kernels()
+    monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
+    dispatch.prepare_cpu_kernels()
+    assert built == [None]
+
+
 def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
     monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
     w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
