@@ -170,9 +170,11 @@ def run_engine_core(cfg: EngineConfig, inp: Connection, out: Connection, log_lev
 
 
 def default_cpu_threads() -> int:
-    """All cores but one: the front end process needs one, and torch's spinning OpenMP threads
-    stall badly when a core they count on is taken."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """Every core this process may run on. The step is the bottleneck and the HTTP front end
+    (uvloop, one process) needs a core for a millisecond or two per step, not a whole one: leaving
+    it a core halved the step's arithmetic on 2-core machines (benchmarks/cpu_kernels.py and the
+    --cpu-threads comparison in the issue-11 report measure it)."""
+    return max(1, len(os.sched_getaffinity(0)))
 
 
 def _set_cpu_threads(cfg: EngineConfig, n: int | None) -> None:

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, wait at most this many seconds for running requests")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="CPU device: torch threads in the engine process (default: all cores but one, "
-                        "leaving one to the HTTP front end; or $OMP_NUM_THREADS)")
+                   help="CPU device: torch threads in the engine process (default: every core; "
+                        "or $OMP_NUM_THREADS)")
     p.set_defaults(func=run)
 
 
