@@ -55,6 +55,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
 def supported_isas() -> list[str]:
     """Every level this CPU runs, best first ("portable" always last)."""
     flags = cpu_flags()
@@ -100,8 +101,10 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     _, mflags = ISA_LEVELS[isa]
     macro = f"-DBB_ISA_{isa.upper()}"
     cflags = ["-O3", "-std=c++17", "-fopenmp", macro, *mflags]
-    # the sources' hash is in the name: an edited kernel never loads a stale build
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()[:8]
+    # the hash of the sources and of this folder's headers is in the name: an edited kernel never
+    # loads a stale build
+    files = [*paths, *sorted(str(h) for h in SRC_DIR.glob("*.h"))]
+    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in files)).hexdigest()[:8]
     return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
