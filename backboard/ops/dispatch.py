@@ -1,4 +1,5 @@
-"""GPU-path selection: per call, a Triton kernel (ops/triton/) or its torch reference.
+"""Kernel selection: per call, a Triton kernel (ops/triton/) on the GPU, our C++ kernel
+(ops/cpu/) on the CPU, or the torch reference.
 
 Every entry point here has the signature of its torch reference and returns the same thing, so a
 layer calls `dispatch.x(...)` and never needs to know which one ran.
@@ -9,7 +10,9 @@ Selection (`use_triton(*tensors)`), read at every call:
                             the tensors are not on CUDA and TRITON_INTERPRET=1 is not set (the
                             interpreter runs kernels on CPU tensors: that is how tests run them)
   BACKBOARD_KERNELS=auto    (default, or unset) Triton when the tensors are on CUDA and triton
-                            imports; the torch reference otherwise
+                            imports; on CPU float32 / bfloat16 tensors the C++ decode ops
+                            (ops/cpu/decode_ops, `use_cpu_kernels`) when they built (else the
+                            torch reference, logged once); the torch reference otherwise
 `override("torch" | "triton" | "auto")` does the same for a scope (benchmarks, tests) and wins
 over the environment.
 
@@ -28,6 +31,7 @@ import torch
 
 from backboard.ops.activation import silu_mul_ref
 from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.cpu import decode_ops as cpu_ops
 from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.norm import fused_add_rms_norm_ref
 from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
@@ -88,6 +92,13 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return on_cuda and triton_available()
 
 
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether the C++ CPU kernel runs for x (called after use_triton said no): auto mode, a CPU
+    float32 / bfloat16 tensor, and the kernels built (compiled on first use, cached on disk)."""
+    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and kernel_mode() == "auto"
+            and cpu_ops.available())
+
+
 @contextlib.contextmanager
 def override(mode: str) -> Iterator[None]:
     """Force a mode for a scope: with dispatch.override("torch"): ..."""
@@ -113,7 +124,11 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
                has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
                num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
     """See gdn_decode_ref."""
-    fn = _kernels("gdn_decode").gdn_decode if use_triton(proj) else gdn_decode_ref
+    if use_triton(proj):
+        fn = _kernels("gdn_decode").gdn_decode
+    else:
+        same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
+        fn = cpu_ops.gdn_decode if same and use_cpu_kernels(proj) else gdn_decode_ref
     return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, src_slots,
               dst_slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
@@ -126,32 +141,45 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
                                                             seq_lens, max_seq_len, scale)
+    if use_cpu_kernels(q) and k_cache.dtype == q.dtype:
+        return cpu_ops.paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
+                                              max_seq_len, scale)
     return paged_attention_uniform(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """See ops.norm.rms_norm."""
-    fn = _kernels("norm").rms_norm if use_triton(x) else rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").rms_norm(x, weight, eps, zero_centered)
+    fn = cpu_ops.rms_norm if use_cpu_kernels(x) and weight.dtype == x.dtype else rms_norm_ref
     return fn(x, weight, eps, zero_centered)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """See fused_add_rms_norm_ref: returns (normed, x + residual)."""
-    fn = _kernels("norm").fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").fused_add_rms_norm(x, residual, weight, eps, zero_centered)
+    same = residual.dtype == weight.dtype == x.dtype
+    fn = cpu_ops.fused_add_rms_norm if same and use_cpu_kernels(x) else fused_add_rms_norm_ref
     return fn(x, residual, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """See ops.norm.gated_rms_norm (x, gate [T, nh, N])."""
-    fn = _kernels("norm").gated_rms_norm if use_triton(x) else gated_rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").gated_rms_norm(x, gate, weight, eps, out_dtype)
+    same = gate.dtype == weight.dtype == out_dtype == x.dtype
+    fn = cpu_ops.gated_rms_norm if same and use_cpu_kernels(x) else gated_rms_norm_ref
     return fn(x, gate, weight, eps, out_dtype)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """See silu_mul_ref: [T, 2I] -> [T, I]."""
-    return _kernels("activation").silu_mul(x) if use_triton(x) else silu_mul_ref(x)
+    if use_triton(x):
+        return _kernels("activation").silu_mul(x)
+    return cpu_ops.silu_mul(x) if use_cpu_kernels(x) else silu_mul_ref(x)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
