@@ -244,6 +244,7 @@ inline at::Tensor gdn_decode(const at::Tensor& proj, const at::Tensor& conv_weig
                  src.data(), dst.data(), init.empty() ? nullptr : reinterpret_cast<const bool*>(init.data()),
                  per_position, float(eps), ptr<T>(out)};
     at::parallel_for(0, s.B * nk, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals ftz;
       for (int64_t task = begin; task < end; ++task) gdn_task(a, task / nk, task % nk);
     });
   });

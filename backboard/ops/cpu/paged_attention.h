@@ -39,44 +39,80 @@ struct AttnArgs {
   float *part_o, *part_m, *part_l;          // [B, L, nh, splits, (D)] when splits > 1
 };
 
-// acc = acc * alpha + sum_j p[j] * rows[j]   (D columns, four vectors at a time)
-inline void scale_accumulate(float* acc, float alpha, const float* p, const float* const* rows,
-                             int64_t n, int64_t D) {
-  const VF va = VF::set1(alpha);
-  for_lanes(D, [&](int64_t d, int m) {
-    VF x = load_n(acc + d, m) * va;
-    for (int64_t j = 0; j < n; ++j) x = fma(VF::set1(p[j]), load_n(rows[j] + d, m), x);
-    store_n(x, acc + d, m);
-  });
+// s[g][j] = q_g . k_j for G query rows and the chunk's n keys: each key is loaded (and widened)
+// once for the G rows, whose G dot products are independent FMA chains
+template <int G, typename T>
+inline void group_scores(const float* q, int64_t D, const T* const* krows, int64_t n, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    VF acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = VF::zero();
+    for_lanes(D, [&](int64_t d, int w) {
+      const VF kv = load_n(krows[j] + d, w);
+      for (int g = 0; g < G; ++g) acc[g] = fma(load_n(q + g * D + d, w), kv, acc[g]);
+    });
+    for (int g = 0; g < G; ++g) s[g * kAttnChunk + j] = acc[g].sum();
+  }
 }
 
-// running softmax state of one query row over one chunk of n visible keys
-inline void online_softmax_update(const float* qrow, const float* const* krows, const float* const* vrows,
-                                  int64_t n, int64_t D, float* m_i, float* l_i, float* acc, float* p) {
-  float mx = *m_i;
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = dot(qrow, krows[j], D);
-    mx = std::max(mx, p[j]);
+template <typename T>
+inline void chunk_scores(const float* qf, int64_t M, int64_t D, const T* const* krows, int64_t n, float* s) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) group_scores<4>(qf + m * D, D, krows, n, s + m * kAttnChunk);
+  for (; m + 2 <= M; m += 2) group_scores<2>(qf + m * D, D, krows, n, s + m * kAttnChunk);
+  for (; m < M; ++m) group_scores<1>(qf + m * D, D, krows, n, s + m * kAttnChunk);
+}
+
+// acc[d0 .. d0 + NB vectors) = acc * alpha + sum_j p[j] * rows[j], the accumulators in registers
+template <int NB>
+inline void pv_block(float* acc, VF alpha, const float* p, const float* const* rows, int64_t n,
+                     int64_t d0, int last_lanes) {
+  int lanes[NB];
+  VF x[NB];
+  for (int v = 0; v < NB; ++v) {
+    lanes[v] = v == NB - 1 ? last_lanes : VF::N;
+    x[v] = load_n(acc + d0 + v * VF::N, lanes[v]) * alpha;
   }
+  for (int64_t j = 0; j < n; ++j) {
+    const VF pj = VF::set1(p[j]);
+    for (int v = 0; v < NB; ++v) x[v] = fma(pj, load_n(rows[j] + d0 + v * VF::N, lanes[v]), x[v]);
+  }
+  for (int v = 0; v < NB; ++v) store_n(x[v], acc + d0 + v * VF::N, lanes[v]);
+}
+
+inline void scale_accumulate(float* acc, float alpha, const float* p, const float* const* rows,
+                             int64_t n, int64_t D) {
+  constexpr int NB = 8;
+  const VF va = VF::set1(alpha);
+  int64_t d = 0;
+  for (; d + NB * VF::N <= D; d += NB * VF::N) pv_block<NB>(acc, va, p, rows, n, d, VF::N);
+  for (; d < D; d += VF::N) pv_block<1>(acc, va, p, rows, n, d, int(std::min<int64_t>(VF::N, D - d)));
+}
+
+// one query row's running softmax (max m_i, sum l_i, accumulator acc) over n visible keys whose
+// scores are s[0 .. n) (overwritten with the probabilities)
+inline void online_softmax_update(float* s, const float* const* vrows, int64_t n, int64_t D,
+                                  float* m_i, float* l_i, float* acc) {
+  float mx = *m_i;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
   const float alpha = std::exp(*m_i - mx);               // 0 on the first chunk (m_i = -inf)
   const VF vmx = VF::set1(mx);
   VF sum = VF::zero();
   for_lanes(n, [&](int64_t j, int m) {
-    VF e = vexp(load_n(p + j, m) - vmx);
-    store_n(e, p + j, m);
-    sum = sum + (m == VF::N ? e : VF::load(p + j, m));    // masked lanes of e may be non-zero
+    VF e = vexp(load_n(s + j, m) - vmx);
+    store_n(e, s + j, m);
+    sum = sum + (m == VF::N ? e : VF::load(s + j, m));    // masked lanes of e may be non-zero
   });
   *l_i = *l_i * alpha + sum.sum();
   *m_i = mx;
-  scale_accumulate(acc, alpha, p, vrows, n, D);
+  scale_accumulate(acc, alpha, s, vrows, n, D);
 }
 
 template <typename T>
 void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split) {
   const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
-  std::vector<float> buf(2 * M * D + 2 * M + 2 * kAttnChunk * D + kAttnChunk);
+  std::vector<float> buf(2 * M * D + 2 * M + kAttnChunk * D + M * kAttnChunk);
   float *qf = buf.data(), *acc = qf + M * D, *m_i = acc + M * D, *l_i = m_i + M;
-  float *kf = l_i + M, *vf = kf + kAttnChunk * D, *p = vf + kAttnChunk * D;
+  float *vf = l_i + M, *s = vf + kAttnChunk * D;
   for (int64_t m = 0; m < M; ++m) {                        // row m: query row m / r, head kvh*r + m % r
     const T* qs = a.q + b * a.sq_b + (m / a.r) * a.sq_l + (kvh * a.r + m % a.r) * a.sq_h;
     for_lanes(D, [&](int64_t d, int n) { store_n(load_n(qs + d, n) * VF::set1(a.scale), qf + m * D + d, n); });
@@ -85,7 +121,7 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
     l_i[m] = 0.f;
   }
   const int64_t start = split * a.tokens_per_split, end = std::min(seq, start + a.tokens_per_split);
-  const float* krows[kAttnChunk];
+  const T* krows[kAttnChunk];
   const float* vrows[kAttnChunk];
   for (int64_t p0 = start; p0 < end;) {
     const int64_t blk = a.block_table.at(b, p0 / a.bs), off = p0 % a.bs;
@@ -95,22 +131,19 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
     const T* kb = a.k + blk * a.sk_blk + off * a.sk_tok + kvh * a.sk_head;
     const T* vb = a.v + blk * a.sv_blk + off * a.sv_tok + kvh * a.sv_head;
     for (int64_t j = 0; j < n; ++j) {
+      krows[j] = kb + j * a.sk_tok;
       if constexpr (std::is_same_v<T, float>) {
-        krows[j] = kb + j * a.sk_tok;
         vrows[j] = vb + j * a.sv_tok;
       } else {                                             // widen once, use for all M rows
-        for_lanes(D, [&](int64_t d, int w) {
-          store_n(load_n(kb + j * a.sk_tok + d, w), kf + j * D + d, w);
-          store_n(load_n(vb + j * a.sv_tok + d, w), vf + j * D + d, w);
-        });
-        krows[j] = kf + j * D;
+        for_lanes(D, [&](int64_t d, int w) { store_n(load_n(vb + j * a.sv_tok + d, w), vf + j * D + d, w); });
         vrows[j] = vf + j * D;
       }
     }
+    chunk_scores(qf, M, D, krows, n, s);
     for (int64_t m = 0; m < M; ++m) {                      // row t sees positions < seq - L + 1 + t
       const int64_t visible = std::min(n, seq - a.L + 1 + m / a.r - p0);
       if (visible > 0)
-        online_softmax_update(qf + m * D, krows, vrows, visible, D, m_i + m, l_i + m, acc + m * D, p);
+        online_softmax_update(s + m * kAttnChunk, vrows, visible, D, m_i + m, l_i + m, acc + m * D);
     }
     p0 += n;
   }
@@ -201,6 +234,7 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt, seq.data(), float(scale),
                   ptr<T>(out), pb, pb ? pb + P * D : nullptr, pb ? pb + P * D + P : nullptr};
     at::parallel_for(0, B * nkv * splits, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals ftz;
       for (int64_t i = begin; i < end; ++i) attention_task(a, i / (nkv * splits), (i / splits) % nkv, i % splits);
     });
     if (splits > 1)
