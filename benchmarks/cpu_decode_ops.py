@@ -5,16 +5,18 @@ the linear layers).
 
 Floors: bytes an op must move (recurrent state read + written, KV read, activations) / the copy
 bandwidth measured here with the same thread count (a large tensor copy: read + write bytes per
-second). The machine is shared: numbers are noisy, run it twice; ratios measured in one run are
+second). The GDN and attention cases cycle through copies of their states / KV caches larger than
+the last-level cache, so every call reads from memory as in a real step (each layer has its own). The machine is shared: numbers are noisy, run it twice; ratios measured in one run are
 the figures to trust.
 
     python benchmarks/cpu_decode_ops.py [--preset small] [--rows 1,4,16,64] [--ctx 256]
-        [--dtype bfloat16] [--threads N] [--skip-step] [--skip-ops]
+        [--dtype bfloat16] [--threads N] [--steps 10] [--skip-step] [--skip-ops]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -69,37 +71,58 @@ class OpCase:
         self.name, self.rows, self.ref, self.ours, self.nbytes = name, rows, ref, ours, nbytes
 
 
+COLD_BYTES = 96 * 2**20     # larger than the last-level cache: every call streams from memory
+
+
+def num_sets(set_bytes: int) -> int:
+    """Copies of a working set that together exceed the cache: calls cycle through them, so each
+    call reads its states / KV from memory as a real step does (each layer has its own)."""
+    return max(1, -(-COLD_BYTES // max(set_bytes, 1)))
+
+
+def cycling(fn: Callable[[int], object], sets: int) -> Callable[[], object]:
+    calls = itertools.count()
+    return lambda: fn(next(calls) % sets)
+
+
 def gdn_case(cfg: ModelConfig, B: int, L: int, dt: torch.dtype) -> OpCase:
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     C = 2 * nk * dk + nv * dv
+    state = nv * dk * dv * 4                               # one slot's recurrent state
+    per_set = B * L                                        # verify: a slot per row
+    S = num_sets(per_set * state)
     proj = torch.randn(B * L, C + nv * dv + 2 * nv).to(dt)
     w = (0.5 * torch.randn(C, K)).to(dt)
-    conv = torch.randn(B * L + 1, K - 1, C).to(dt)
-    ssm = 0.1 * torch.randn(B * L + 1, nv, dk, dv)
+    conv = torch.randn(S * per_set + 1, K - 1, C).to(dt)
+    ssm = 0.1 * torch.randn(S * per_set + 1, nv, dk, dv)
     a_log, dt_bias, nw = torch.zeros(nv), torch.zeros(nv).to(dt), torch.ones(dv).to(dt)
-    src = torch.arange(B)
-    dst = src if L == 1 else torch.arange(B * L).view(B, L)
+    src = [i * per_set + torch.arange(B) * L for i in range(S)]
+    dst = [s if L == 1 else s[:, None] + torch.arange(L) for s in src]
     kw = dict(num_k_heads=nk, num_v_heads=nv, head_k_dim=dk, head_v_dim=dv, eps=1e-6)
-    args = (proj, w, conv, a_log, dt_bias, nw, ssm, src, dst, None)
-    state = B * nv * dk * dv * 4
-    nbytes = state * (1 + L) + proj.nbytes + B * L * nv * dv * dt.itemsize
-    return OpCase("gdn_decode", f"{B}x{L}", lambda: gdn_decode_ref(*args, **kw),
-                  lambda: decode_ops.gdn_decode(*args, **kw), nbytes)
+
+    def run(fn, i):
+        return fn(proj, w, conv, a_log, dt_bias, nw, ssm, src[i], dst[i], None, **kw)
+    nbytes = B * state * (1 + L) + proj.nbytes + B * L * nv * dv * dt.itemsize
+    return OpCase("gdn_decode", f"{B}x{L}", cycling(lambda i: run(gdn_decode_ref, i), S),
+                  cycling(lambda i: run(decode_ops.gdn_decode, i), S), nbytes)
 
 
 def attention_case(cfg: ModelConfig, B: int, L: int, ctx: int, dt: torch.dtype, bs: int = 16) -> OpCase:
     nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     per = -(-(ctx + L) // bs)
-    kc = torch.randn(B * per + 1, bs, nkv, D).to(dt)
+    S = num_sets(2 * B * per * bs * nkv * D * dt.itemsize)
+    kc = torch.randn(S * B * per + 1, bs, nkv, D).to(dt)
     vc = torch.randn_like(kc)
-    bt = torch.arange(B * per, dtype=torch.int32).view(B, per)
+    bt = [(i * B * per + torch.arange(B * per, dtype=torch.int32)).view(B, per) for i in range(S)]
     seq = torch.full((B,), ctx + L, dtype=torch.int32)
     q = torch.randn(B, L, nh, D).to(dt)
-    args = (q, kc, vc, bt, seq, ctx + L, D ** -0.5)
+
+    def run(fn, i):
+        return fn(q, kc, vc, bt[i], seq, ctx + L, D ** -0.5)
     nbytes = 2 * B * (ctx + L) * nkv * D * dt.itemsize + 2 * q.nbytes
-    return OpCase(f"attention ctx {ctx}", f"{B}x{L}", lambda: paged_attention_uniform(*args),
-                  lambda: decode_ops.paged_attention_decode(*args), nbytes)
+    return OpCase(f"attention ctx {ctx}", f"{B}x{L}", cycling(lambda i: run(paged_attention_uniform, i), S),
+                  cycling(lambda i: run(decode_ops.paged_attention_decode, i), S), nbytes)
 
 
 def norm_cases(cfg: ModelConfig, B: int, dt: torch.dtype) -> list[OpCase]:
@@ -157,29 +180,59 @@ class Stepper:
         return self._run(self.step)
 
 
-def profile_step(stepper: Stepper) -> tuple[int, float]:
-    """(torch calls made by the step: top-level profiler events, seconds inside aten::linear)."""
+def count_calls(stepper: Stepper) -> int:
+    """Torch calls the step makes from Python: top-level torch profiler events."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stepper.run()
-    events = prof.events()
-    top = sum(1 for e in events if e.cpu_parent is None)
-    linear = sum(e.cpu_time_total for e in events if e.name == "aten::linear" and e.cpu_parent is None)
-    return top, linear * 1e-6
+    return sum(1 for e in prof.events() if e.cpu_parent is None)
 
 
-def step_table(path: str, dtype: str, rows: list[int], ctx: int) -> None:
-    print(f"\n== decode step ({dtype}, ctx {ctx}): torch references vs C++ decode ops; linears as they are")
-    print(f"{'rows':>5}{'mode':>7}{'ms/step':>10}{'torch calls':>13}{'non-linear ms':>15}")
+GEMM_MODULES = ("Linear", "LMHead", "Int4Linear", "Int8Linear")
+
+
+def timed_steps(stepper: Stepper, n: int) -> tuple[float, float, float]:
+    """Medians over n steps of (wall seconds per step, CPU seconds per step, CPU seconds per step
+    outside the GEMM modules). CPU time (all of this process's threads) does not count the time
+    other processes on a shared machine take from us; with several threads it counts their
+    spin-waits."""
+    spent = [0.0]
+    start: list[float] = []
+    hooks = []
+    for m in stepper.model.modules():
+        if type(m).__name__ in GEMM_MODULES:
+            hooks.append(m.register_forward_pre_hook(lambda *_: start.append(time.process_time())))
+            hooks.append(m.register_forward_hook(
+                lambda *_: spent.__setitem__(0, spent[0] + time.process_time() - start.pop())))
+    wall, cpu, rest = [], [], []
+    try:
+        stepper.run()
+        for _ in range(n):
+            spent[0] = 0.0
+            t, c = time.perf_counter(), time.process_time()
+            stepper.run()
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+            rest.append(cpu[-1] - spent[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(np.median(wall)), float(np.median(cpu)), float(np.median(rest))
+
+
+def step_table(path: str, dtype: str, rows: list[int], ctx: int, steps: int) -> None:
+    print(f"\n== decode step ({dtype}, ctx {ctx}): torch references vs C++ decode ops; GEMMs as they are")
+    print(f"{'rows':>5}{'ops':>7}{'wall ms':>10}{'CPU ms':>10}{'torch calls':>13}{'CPU ms outside GEMMs':>22}")
     for B in rows:
         st = Stepper(path, dtype, B, ctx)
         for mode in ("torch", "auto"):
             with dispatch.override(mode):
-                t = median_time(st.run, min_time=1.0, max_iters=20)
-                calls, t_lin = profile_step(st)
+                wall, cpu, rest = timed_steps(st, steps)
+                calls = count_calls(st)
             label = "torch" if mode == "torch" else "C++"
-            print(f"{B:>5}{label:>7}{t * 1e3:10.2f}{calls:13d}{max(t - t_lin, 0) * 1e3:15.2f}", flush=True)
+            print(f"{B:>5}{label:>7}{wall * 1e3:10.2f}{cpu * 1e3:10.2f}{calls:13d}{rest * 1e3:22.2f}",
+                  flush=True)
 
 
 def main() -> None:
@@ -190,6 +243,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed per row count and mode")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
     args = ap.parse_args()
@@ -209,7 +263,7 @@ def main() -> None:
     if not args.skip_ops:
         op_table(cfg, rows, args.ctx, torch_dtype(args.dtype), bw)
     if not args.skip_step:
-        step_table(path, args.dtype, rows, args.ctx)
+        step_table(path, args.dtype, rows, args.ctx, args.steps)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -37,6 +39,8 @@ from backboard.ops.norm import fused_add_rms_norm_ref
 from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
 from backboard.ops.norm import rms_norm as rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
+
+logger = logging.getLogger(__name__)
 
 MODES = ("auto", "triton", "torch")
 ENV_VAR = "BACKBOARD_KERNELS"
@@ -97,6 +101,16 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     float32 / bfloat16 tensor, and the kernels built (compiled on first use, cached on disk)."""
     return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and kernel_mode() == "auto"
             and cpu_ops.available())
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Build (first use, minutes) or load (cached) the C++ kernels the forward will use on a CPU
+    device, at start-up rather than inside the first step; logs which path runs."""
+    if device.type != "cpu" or kernel_mode() != "auto" or dtype not in cpu_ops.DTYPES:
+        return
+    t0 = time.monotonic()
+    if cpu_ops.available():
+        logger.info("CPU decode kernels ready (%s, %.1f s)", cpu_ops.kernels().isa(), time.monotonic() - t0)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import torch
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from backboard.models.loader import load_model, torch_dtype
+from backboard.ops import dispatch
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from backboard.worker.forward_context import set_forward_context
@@ -90,6 +91,7 @@ class ModelRunner:
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
+        dispatch.prepare(self.device, self.dtype)          # compile / load the CPU kernels now
         self.proposer = proposer
         extra = proposer.num_extra_attn_layers if proposer is not None else 0
         act = None

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -105,8 +106,27 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     # loads a stale build
     files = [*paths, *sorted(str(h) for h in SRC_DIR.glob("*.h"))]
     digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in files)).hexdigest()[:8]
-    return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
-                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"backboard_{family}_{isa}_{digest}"
+    _remove_stale_lock(name)
+    return cpp_extension.load(name=name, sources=list(paths), extra_cflags=cflags,
+                              extra_ldflags=["-fopenmp"], verbose=False)
+
+
+STALE_LOCK_S = 900      # no build takes this long: its lock was left by a process killed mid-build
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch waits forever on the lock file of a build whose process was killed; remove it when
+    it is older than any build takes."""
+    from torch.utils import cpp_extension
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing the stale build lock %s (a build was interrupted)", lock)
+            lock.unlink()
+    except OSError:
+        pass
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,7 @@
 #include "tensor_args.h"
 
 namespace bb {
+inline namespace BB_ISA_NAMESPACE {
 
 struct GdnShape {
   int64_t B, L, nk, nv, dk, dv, r, K, C;
@@ -251,4 +252,5 @@ inline at::Tensor gdn_decode(const at::Tensor& proj, const at::Tensor& conv_weig
   return out;
 }
 
+}  // namespace BB_ISA_NAMESPACE
 }  // namespace bb

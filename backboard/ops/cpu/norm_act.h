@@ -12,6 +12,7 @@
 #include "tensor_args.h"
 
 namespace bb {
+inline namespace BB_ISA_NAMESPACE {
 
 // ---- one row --------------------------------------------------------------------------------
 // y = x * rsqrt(mean(x^2) + eps) * (w + w_off), one rounding (w_off = 1: Norm0, 0: plain)
@@ -158,4 +159,5 @@ inline at::Tensor silu_mul(const at::Tensor& x_) {
   return y;
 }
 
+}  // namespace BB_ISA_NAMESPACE
 }  // namespace bb

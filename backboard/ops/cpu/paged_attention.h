@@ -15,12 +15,14 @@
 #include <ATen/record_function.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
 #include "tensor_args.h"
 
 namespace bb {
+inline namespace BB_ISA_NAMESPACE {
 
 constexpr int64_t kAttnChunk = 16;          // tokens per softmax update (K/V rows widened at once)
 constexpr int64_t kMinSplitTokens = 256;    // never split the context finer than this
@@ -61,6 +63,38 @@ inline void chunk_scores(const float* qf, int64_t M, int64_t D, const T* const* 
   for (; m + 2 <= M; m += 2) group_scores<2>(qf + m * D, D, krows, n, s + m * kAttnChunk);
   for (; m < M; ++m) group_scores<1>(qf + m * D, D, krows, n, s + m * kAttnChunk);
 }
+
+#if defined(BB_ISA_AVX512_BF16)
+// bf16 caches with AVX512-BF16: s[g][j] = scale * (q_g . k_j) by the bf16 pair dot product
+// (VDPBF16PS, 32 products per instruction, fp32 accumulation) on q and k as they are stored,
+// without widening either (the reference's bf16 SDPA also multiplies bf16 q and k)
+constexpr bool kBf16Dot = true;
+
+template <int G>
+inline void group_scores_bf16(const bf16* q, int64_t D, const bf16* const* krows, int64_t n, float scale,
+                              float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask32 mk = D - d >= 32 ? ~__mmask32(0) : __mmask32((1u << (D - d)) - 1u);
+      const __m512i kv = _mm512_maskz_loadu_epi16(mk, krows[j] + d);
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_maskz_loadu_epi16(mk, q + g * D + d), (__m512bh)kv);
+    }
+    for (int g = 0; g < G; ++g) s[g * kAttnChunk + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+  }
+}
+
+inline void chunk_scores_bf16(const bf16* q, int64_t M, int64_t D, const bf16* const* krows, int64_t n,
+                              float scale, float* s) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) group_scores_bf16<4>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
+  for (; m < M; ++m) group_scores_bf16<1>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 // acc[d0 .. d0 + NB vectors) = acc * alpha + sum_j p[j] * rows[j], the accumulators in registers
 template <int NB>
@@ -110,12 +144,15 @@ inline void online_softmax_update(float* s, const float* const* vrows, int64_t n
 template <typename T>
 void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split) {
   const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
   std::vector<float> buf(2 * M * D + 2 * M + kAttnChunk * D + M * kAttnChunk);
+  std::vector<T> qraw(bf16_dot ? M * D : 0);               // q as stored, for the bf16 dot
   float *qf = buf.data(), *acc = qf + M * D, *m_i = acc + M * D, *l_i = m_i + M;
   float *vf = l_i + M, *s = vf + kAttnChunk * D;
   for (int64_t m = 0; m < M; ++m) {                        // row m: query row m / r, head kvh*r + m % r
     const T* qs = a.q + b * a.sq_b + (m / a.r) * a.sq_l + (kvh * a.r + m % a.r) * a.sq_h;
-    for_lanes(D, [&](int64_t d, int n) { store_n(load_n(qs + d, n) * VF::set1(a.scale), qf + m * D + d, n); });
+    if constexpr (bf16_dot) std::copy(qs, qs + D, qraw.data() + m * D);
+    else for_lanes(D, [&](int64_t d, int n) { store_n(load_n(qs + d, n) * VF::set1(a.scale), qf + m * D + d, n); });
     std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
     m_i[m] = -std::numeric_limits<float>::infinity();
     l_i[m] = 0.f;
@@ -139,7 +176,11 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
         vrows[j] = vf + j * D;
       }
     }
-    chunk_scores(qf, M, D, krows, n, s);
+#if defined(BB_ISA_AVX512_BF16)
+    if constexpr (bf16_dot) chunk_scores_bf16(qraw.data(), M, D, krows, n, a.scale, s);
+    else
+#endif
+      chunk_scores(qf, M, D, krows, n, s);
     for (int64_t m = 0; m < M; ++m) {                      // row t sees positions < seq - L + 1 + t
       const int64_t visible = std::min(n, seq - a.L + 1 + m / a.r - p0);
       if (visible > 0)
@@ -245,4 +286,5 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
   return out;
 }
 
+}  // namespace BB_ISA_NAMESPACE
 }  // namespace bb

@@ -13,6 +13,17 @@
 #include <cstdint>
 #include <cstring>
 
+// every level's symbols in their own namespace: one process loads several levels side by side
+#if defined(BB_ISA_AVX512_BF16)
+#define BB_ISA_NAMESPACE isa_avx512_bf16
+#elif defined(BB_ISA_AVX512)
+#define BB_ISA_NAMESPACE isa_avx512
+#elif defined(BB_ISA_AVX2)
+#define BB_ISA_NAMESPACE isa_avx2
+#else
+#define BB_ISA_NAMESPACE isa_portable
+#endif
+
 #if defined(BB_ISA_AVX512_BF16) || defined(BB_ISA_AVX512)
 #define BB_VEC_AVX512 1
 #include <immintrin.h>
@@ -25,6 +36,7 @@
 #endif
 
 namespace bb {
+inline namespace BB_ISA_NAMESPACE {
 
 using bf16 = uint16_t;
 
@@ -305,4 +317,5 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return reduce_sum(n, [&](int64_t i, int m, VF acc) { return fma(load_n(a + i, m), load_n(b + i, m), acc); });
 }
 
+}  // namespace BB_ISA_NAMESPACE
 }  // namespace bb

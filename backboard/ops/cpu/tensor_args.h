@@ -10,6 +10,7 @@
 #include "simd.h"
 
 namespace bb {
+inline namespace BB_ISA_NAMESPACE {
 
 #define BB_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
 
@@ -126,4 +127,5 @@ inline at::Tensor as_rows_view(const at::Tensor& t) {
   return x;
 }
 
+}  // namespace BB_ISA_NAMESPACE
 }  // namespace bb
