@@ -96,11 +96,15 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return on_cuda and triton_available()
 
 
-def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether the C++ CPU kernel runs for x (called after use_triton said no): auto mode, a CPU
-    float32 / bfloat16 tensor, and the kernels built (compiled on first use, cached on disk)."""
-    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and kernel_mode() == "auto"
-            and cpu_ops.available())
+def use_cpu_kernels(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the C++ CPU kernel runs (called after use_triton said no): auto mode, CPU float32 /
+    bfloat16 tensors, no autograd through them (draft-head training differentiates the norms and
+    the MLP: the references do that), and the kernels built (compiled on first use, cached)."""
+    if x.device.type != "cpu" or x.dtype not in cpu_ops.DTYPES or kernel_mode() != "auto":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
+        return False
+    return cpu_ops.available()
 
 
 def prepare(device: torch.device, dtype: torch.dtype) -> None:
@@ -165,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     """See ops.norm.rms_norm."""
     if use_triton(x):
         return _kernels("norm").rms_norm(x, weight, eps, zero_centered)
-    fn = cpu_ops.rms_norm if use_cpu_kernels(x) and weight.dtype == x.dtype else rms_norm_ref
+    fn = cpu_ops.rms_norm if weight.dtype == x.dtype and use_cpu_kernels(x, weight) else rms_norm_ref
     return fn(x, weight, eps, zero_centered)
 
 
@@ -175,7 +179,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if use_triton(x):
         return _kernels("norm").fused_add_rms_norm(x, residual, weight, eps, zero_centered)
     same = residual.dtype == weight.dtype == x.dtype
-    fn = cpu_ops.fused_add_rms_norm if same and use_cpu_kernels(x) else fused_add_rms_norm_ref
+    cpu = same and use_cpu_kernels(x, residual, weight)
+    fn = cpu_ops.fused_add_rms_norm if cpu else fused_add_rms_norm_ref
     return fn(x, residual, weight, eps, zero_centered)
 
 
@@ -185,7 +190,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if use_triton(x):
         return _kernels("norm").gated_rms_norm(x, gate, weight, eps, out_dtype)
     same = gate.dtype == weight.dtype == out_dtype == x.dtype
-    fn = cpu_ops.gated_rms_norm if same and use_cpu_kernels(x) else gated_rms_norm_ref
+    fn = cpu_ops.gated_rms_norm if same and use_cpu_kernels(x, gate, weight) else gated_rms_norm_ref
     return fn(x, gate, weight, eps, out_dtype)
 
 

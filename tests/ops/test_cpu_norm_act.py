@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backboard.ops import dispatch
 from backboard.ops import norm as ref
 from backboard.ops.activation import silu_mul_ref
 from backboard.ops.cpu import decode_ops
@@ -113,3 +114,20 @@ def test_rejects_bad_arguments():
         decode_ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="out_dtype"):
         decode_ops.gated_rms_norm(x.view(3, 1, 16), x.view(3, 1, 16), torch.ones(16), 1e-6, torch.bfloat16)
+
+
+def test_autograd_takes_the_references(monkeypatch):
+    """Draft-head training differentiates through the norms and the MLP: with grad enabled and an
+    input or weight that requires it, dispatch runs the torch reference and gradients arrive;
+    under no_grad (inference) the kernels run."""
+    built(decode_ops.cpu_isa())
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.zeros(16, requires_grad=True)
+    y, r = dispatch.fused_add_rms_norm(x, torch.randn(3, 16), w, 1e-6, True)
+    (dispatch.rms_norm(y, w, 1e-6, True).sum() + dispatch.silu_mul(r).sum()).backward()
+    assert x.grad is not None and w.grad is not None and w.grad.abs().sum() > 0
+    assert not dispatch.use_cpu_kernels(x, w)
+    with torch.no_grad():
+        assert dispatch.use_cpu_kernels(x, w)
+    assert dispatch.use_cpu_kernels(x.detach(), w.detach())

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SRC_DIR = Path(__file__).parent
 ENV_DISABLE = "BACKBOARD_CPU_KERNELS"        # "0" / "off": never build, use torch references
+ISA_ENV = "BACKBOARD_CPU_ISA"                # force a lower level than the CPU's best
 
 # best first; each level runs on every CPU that has the flags listed
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -65,11 +66,11 @@ def supported_isas() -> list[str]:
 
 def cpu_isa() -> str:
     """The best level this CPU runs (BACKBOARD_CPU_ISA=<level> forces a lower one)."""
-    forced = os.environ.get("BACKBOARD_CPU_ISA", "").strip().lower()
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
     levels = supported_isas()
     if forced:
         if forced not in levels:
-            raise ValueError(f"BACKBOARD_CPU_ISA={forced!r}: this CPU runs {', '.join(levels)}")
+            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU runs {', '.join(levels)}")
         return forced
     return levels[0]
 

@@ -20,21 +20,30 @@ intra-op pool (torch.set_num_threads), over (request, head) tasks.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
 
-from backboard.ops.cpu.build import cpu_isa, load_kernels
+from backboard.ops.cpu.build import ISA_ENV, cpu_isa, load_kernels
 
 FAMILY = "decode_ops"
 SOURCES = ("decode_ops.cpp",)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+_by_env: dict[str | None, ModuleType | None] = {}     # $BACKBOARD_CPU_ISA -> module (hot path)
+
+
 def kernels(isa: str | None = None) -> ModuleType | None:
-    """The compiled extension for `isa` (None: this CPU's best level); None when it cannot be
-    built (logged once by build.py)."""
-    return load_kernels(FAMILY, SOURCES, isa or cpu_isa())
+    """The compiled extension for `isa` (None: this CPU's best level, or $BACKBOARD_CPU_ISA);
+    None when it cannot be built (logged once by build.py)."""
+    if isa is not None:
+        return load_kernels(FAMILY, SOURCES, isa)
+    key = os.environ.get(ISA_ENV)
+    if key not in _by_env:
+        _by_env[key] = load_kernels(FAMILY, SOURCES, cpu_isa())
+    return _by_env[key]
 
 
 def available(isa: str | None = None) -> bool:
