@@ -18,13 +18,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "simd.h"
 #include "tensor_args.h"
 
 namespace bb {
 inline namespace BB_ISA_NAMESPACE {
 
-constexpr int64_t kAttnChunk = 16;          // tokens per softmax update (K/V rows widened at once)
 constexpr int64_t kMinSplitTokens = 256;    // never split the context finer than this
 
 template <typename T>
@@ -64,35 +64,7 @@ inline void chunk_scores(const float* qf, int64_t M, int64_t D, const T* const* 
   for (; m < M; ++m) group_scores<1>(qf + m * D, D, krows, n, s + m * kAttnChunk);
 }
 
-#if defined(BB_ISA_AVX512_BF16)
-// bf16 caches with AVX512-BF16: s[g][j] = scale * (q_g . k_j) by the bf16 pair dot product
-// (VDPBF16PS, 32 products per instruction, fp32 accumulation) on q and k as they are stored,
-// without widening either (the reference's bf16 SDPA also multiplies bf16 q and k)
-constexpr bool kBf16Dot = true;
-
-template <int G>
-inline void group_scores_bf16(const bf16* q, int64_t D, const bf16* const* krows, int64_t n, float scale,
-                              float* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      const __mmask32 mk = D - d >= 32 ? ~__mmask32(0) : __mmask32((1u << (D - d)) - 1u);
-      const __m512i kv = _mm512_maskz_loadu_epi16(mk, krows[j] + d);
-      for (int g = 0; g < G; ++g)
-        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_maskz_loadu_epi16(mk, q + g * D + d), (__m512bh)kv);
-    }
-    for (int g = 0; g < G; ++g) s[g * kAttnChunk + j] = _mm512_reduce_add_ps(acc[g]) * scale;
-  }
-}
-
-inline void chunk_scores_bf16(const bf16* q, int64_t M, int64_t D, const bf16* const* krows, int64_t n,
-                              float scale, float* s) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) group_scores_bf16<4>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-  for (; m < M; ++m) group_scores_bf16<1>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-}
-#else
+#if !defined(BB_ISA_AVX512_BF16)
 constexpr bool kBf16Dot = false;
 #endif
 
@@ -122,33 +94,39 @@ inline void scale_accumulate(float* acc, float alpha, const float* p, const floa
   for (; d < D; d += VF::N) pv_block<1>(acc, va, p, rows, n, d, int(std::min<int64_t>(VF::N, D - d)));
 }
 
-// one query row's running softmax (max m_i, sum l_i, accumulator acc) over n visible keys whose
-// scores are s[0 .. n) (overwritten with the probabilities)
-inline void online_softmax_update(float* s, const float* const* vrows, int64_t n, int64_t D,
-                                  float* m_i, float* l_i, float* acc) {
+// one query row's running softmax (max m_i, sum l_i) over a chunk of n keys whose first
+// `visible` scores are s[0 .. visible): s becomes the probabilities (zero past `visible`); returns
+// the factor alpha by which the row's accumulator must be rescaled
+inline float softmax_chunk(float* s, int64_t n, int64_t visible, float* m_i, float* l_i) {
+  if (visible <= 0) {
+    std::fill(s, s + n, 0.f);
+    return 1.f;
+  }
   float mx = *m_i;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
   const float alpha = std::exp(*m_i - mx);               // 0 on the first chunk (m_i = -inf)
   const VF vmx = VF::set1(mx);
   VF sum = VF::zero();
-  for_lanes(n, [&](int64_t j, int m) {
+  for_lanes(visible, [&](int64_t j, int m) {
     VF e = vexp(load_n(s + j, m) - vmx);
     store_n(e, s + j, m);
     sum = sum + (m == VF::N ? e : VF::load(s + j, m));    // masked lanes of e may be non-zero
   });
+  std::fill(s + visible, s + n, 0.f);
   *l_i = *l_i * alpha + sum.sum();
   *m_i = mx;
-  scale_accumulate(acc, alpha, s, vrows, n, D);
+  return alpha;
 }
 
 template <typename T>
 void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split) {
   const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
-  std::vector<float> buf(2 * M * D + 2 * M + kAttnChunk * D + M * kAttnChunk);
+  const bool bf16_pv = bf16_dot && D % 32 == 0;            // PV by bf16 pair dot products too
+  std::vector<float> buf(2 * M * D + 3 * M + kAttnChunk * D + M * kAttnChunk);
   std::vector<T> qraw(bf16_dot ? M * D : 0);               // q as stored, for the bf16 dot
-  float *qf = buf.data(), *acc = qf + M * D, *m_i = acc + M * D, *l_i = m_i + M;
-  float *vf = l_i + M, *s = vf + kAttnChunk * D;
+  float *qf = buf.data(), *acc = qf + M * D, *m_i = acc + M * D, *l_i = m_i + M, *alpha = l_i + M;
+  float *vf = alpha + M, *s = vf + kAttnChunk * D;
   for (int64_t m = 0; m < M; ++m) {                        // row m: query row m / r, head kvh*r + m % r
     const T* qs = a.q + b * a.sq_b + (m / a.r) * a.sq_l + (kvh * a.r + m % a.r) * a.sq_h;
     if constexpr (bf16_dot) std::copy(qs, qs + D, qraw.data() + m * D);
@@ -159,6 +137,7 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
   }
   const int64_t start = split * a.tokens_per_split, end = std::min(seq, start + a.tokens_per_split);
   const T* krows[kAttnChunk];
+  const T* vraw[kAttnChunk];
   const float* vrows[kAttnChunk];
   for (int64_t p0 = start; p0 < end;) {
     const int64_t blk = a.block_table.at(b, p0 / a.bs), off = p0 % a.bs;
@@ -169,10 +148,11 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
     const T* vb = a.v + blk * a.sv_blk + off * a.sv_tok + kvh * a.sv_head;
     for (int64_t j = 0; j < n; ++j) {
       krows[j] = kb + j * a.sk_tok;
+      vraw[j] = vb + j * a.sv_tok;
       if constexpr (std::is_same_v<T, float>) {
-        vrows[j] = vb + j * a.sv_tok;
-      } else {                                             // widen once, use for all M rows
-        for_lanes(D, [&](int64_t d, int w) { store_n(load_n(vb + j * a.sv_tok + d, w), vf + j * D + d, w); });
+        vrows[j] = vraw[j];
+      } else if (!bf16_pv) {                               // widen once, use for all M rows
+        for_lanes(D, [&](int64_t d, int w) { store_n(load_n(vraw[j] + d, w), vf + j * D + d, w); });
         vrows[j] = vf + j * D;
       }
     }
@@ -181,13 +161,26 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split)
     else
 #endif
       chunk_scores(qf, M, D, krows, n, s);
-    for (int64_t m = 0; m < M; ++m) {                      // row t sees positions < seq - L + 1 + t
-      const int64_t visible = std::min(n, seq - a.L + 1 + m / a.r - p0);
-      if (visible > 0)
-        online_softmax_update(s + m * kAttnChunk, vrows, visible, D, m_i + m, l_i + m, acc + m * D);
+    // row t sees positions < seq - L + 1 + t
+    auto visible = [&](int64_t m) { return std::min(n, seq - a.L + 1 + m / a.r - p0); };
+    for (int64_t m = 0; m < M; ++m) alpha[m] = softmax_chunk(s + m * kAttnChunk, n, visible(m), m_i + m, l_i + m);
+#if defined(BB_ISA_AVX512_BF16)
+    if constexpr (bf16_dot) {
+      if (bf16_pv) {
+        pv_rows_bf16(acc, alpha, s, M, vraw, n, D);
+        p0 += n;
+        continue;
+      }
     }
+#endif
+    for (int64_t m = 0; m < M; ++m)
+      if (visible(m) > 0) scale_accumulate(acc + m * D, alpha[m], s + m * kAttnChunk, vrows, visible(m), D);
     p0 += n;
   }
+#if defined(BB_ISA_AVX512_BF16)
+  if (bf16_pv)
+    for (int64_t m = 0; m < M; ++m) unpermute_pair_columns(acc + m * D, D);
+#endif
   for (int64_t m = 0; m < M; ++m) {
     const int64_t row = (b * a.L + m / a.r) * a.nh + kvh * a.r + m % a.r;
     if (a.splits == 1) {
