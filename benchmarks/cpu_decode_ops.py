@@ -1,11 +1,11 @@
 """The fused C++ decode ops (backboard/ops/cpu/decode_ops) against their torch references, side
-by side in one run, each next to its memory floor; then the whole decode step of a Qwen3.5-shaped
+by side in one run, each next to its floor; then the whole decode step of a Qwen3.5-shaped
 model with and without them (torch profiler: torch calls per step, time per step, time outside
 the linear layers).
 
-Floors: bytes an op must move (recurrent state read + written, KV read, activations) / the copy
-bandwidth measured here with the same thread count (a large tensor copy: read + write bytes per
-second). The GDN and attention cases cycle through copies of their states / KV caches larger than
+Floors: the larger of the bytes an op must move (recurrent state read + written, KV read,
+activations) / the copy bandwidth measured here with the same thread count (a large tensor copy:
+read + write bytes per second) and its FLOPs / the fp32 matmul rate measured here. The GDN and attention cases cycle through copies of their states / KV caches larger than
 the last-level cache, so every call reads from memory as in a real step (each layer has its own). The machine is shared: numbers are noisy, run it twice; ratios measured in one run are
 the figures to trust.
 
@@ -55,6 +55,12 @@ def median_time(fn: Callable[[], object], min_time: float = 0.2, max_iters: int 
     return float(np.median(ts))
 
 
+def matmul_rate(n: int = 1024) -> float:
+    """fp32 FLOP/s of an n x n x n torch matmul with torch's threads (the arithmetic floor)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / median_time(lambda: a @ b, min_time=0.5, max_iters=20)
+
+
 def copy_bandwidth(mib: int = 256) -> float:
     """Bytes per second of a large tensor copy (read + write) with torch's threads."""
     src = torch.ones(mib * 2**20 // 4)
@@ -65,10 +71,18 @@ def copy_bandwidth(mib: int = 256) -> float:
 
 # ---- per-op cases ---------------------------------------------------------------------------
 class OpCase:
-    """One op at one shape: the torch reference, the C++ kernel and the bytes it must move."""
+    """One op at one shape: the torch reference, the C++ kernel, the bytes it must move and the
+    floating-point operations it must do."""
 
-    def __init__(self, name: str, rows: str, ref: Callable, ours: Callable, nbytes: int) -> None:
-        self.name, self.rows, self.ref, self.ours, self.nbytes = name, rows, ref, ours, nbytes
+    def __init__(self, name: str, rows: str, ref: Callable, ours: Callable, nbytes: int,
+                 flops: int = 0) -> None:
+        self.name, self.rows, self.ref, self.ours = name, rows, ref, ours
+        self.nbytes, self.flops = nbytes, flops
+
+    def floor(self, bw: float, rate: float) -> tuple[float, str]:
+        """(seconds, "mem" | "flop"): the larger of bytes / bandwidth and flops / matmul rate."""
+        t_mem, t_flop = self.nbytes / bw, self.flops / rate
+        return (t_mem, "mem") if t_mem >= t_flop else (t_flop, "flop")
 
 
 COLD_BYTES = 96 * 2**20     # larger than the last-level cache: every call streams from memory
@@ -104,8 +118,9 @@ def gdn_case(cfg: ModelConfig, B: int, L: int, dt: torch.dtype) -> OpCase:
     def run(fn, i):
         return fn(proj, w, conv, a_log, dt_bias, nw, ssm, src[i], dst[i], None, **kw)
     nbytes = B * state * (1 + L) + proj.nbytes + B * L * nv * dv * dt.itemsize
+    flops = B * L * nv * dk * dv * 7          # per state element: k^T S, decay, k u^T, q^T S'
     return OpCase("gdn_decode", f"{B}x{L}", cycling(lambda i: run(gdn_decode_ref, i), S),
-                  cycling(lambda i: run(decode_ops.gdn_decode, i), S), nbytes)
+                  cycling(lambda i: run(decode_ops.gdn_decode, i), S), nbytes, flops)
 
 
 def attention_case(cfg: ModelConfig, B: int, L: int, ctx: int, dt: torch.dtype, bs: int = 16) -> OpCase:
@@ -121,8 +136,9 @@ def attention_case(cfg: ModelConfig, B: int, L: int, ctx: int, dt: torch.dtype, 
     def run(fn, i):
         return fn(q, kc, vc, bt[i], seq, ctx + L, D ** -0.5)
     nbytes = 2 * B * (ctx + L) * nkv * D * dt.itemsize + 2 * q.nbytes
+    flops = 4 * B * L * nh * (ctx + L) * D    # q k^T and p v
     return OpCase(f"attention ctx {ctx}", f"{B}x{L}", cycling(lambda i: run(paged_attention_uniform, i), S),
-                  cycling(lambda i: run(decode_ops.paged_attention_decode, i), S), nbytes)
+                  cycling(lambda i: run(decode_ops.paged_attention_decode, i), S), nbytes, flops)
 
 
 def norm_cases(cfg: ModelConfig, B: int, dt: torch.dtype) -> list[OpCase]:
@@ -139,18 +155,20 @@ def norm_cases(cfg: ModelConfig, B: int, dt: torch.dtype) -> list[OpCase]:
     ]
 
 
-def op_table(cfg: ModelConfig, rows: list[int], ctx: int, dt: torch.dtype, bw: float) -> None:
-    print(f"\n== per op ({dt}, ISA {decode_ops.kernels().isa()}); floor = bytes / {bw / 1e9:.1f} GB/s")
-    print(f"{'op':<22}{'rows':>7}{'torch us':>11}{'C++ us':>10}{'speedup':>9}{'floor us':>10}{'C++/floor':>11}")
+def op_table(cfg: ModelConfig, rows: list[int], ctx: int, dt: torch.dtype, bw: float, rate: float) -> None:
+    print(f"\n== per op ({dt}, ISA {decode_ops.kernels().isa()}); floor = max(bytes / {bw / 1e9:.1f} GB/s, "
+          f"flops / {rate / 1e9:.0f} GFLOP/s)")
+    print(f"{'op':<22}{'rows':>7}{'torch us':>11}{'C++ us':>10}{'speedup':>9}{'floor us':>10}{'bound':>6}"
+          f"{'C++/floor':>11}")
     for B in rows:
         cases = [gdn_case(cfg, B, 1, dt), attention_case(cfg, B, 1, ctx, dt), *norm_cases(cfg, B, dt)]
         if B <= 16:
             cases += [gdn_case(cfg, B, 4, dt), attention_case(cfg, B, 4, ctx, dt)]   # verify, k = 3
         for c in cases:
             t_ref, t_ours = median_time(c.ref), median_time(c.ours)
-            floor = c.nbytes / bw
+            floor, bound = c.floor(bw, rate)
             print(f"{c.name:<22}{c.rows:>7}{t_ref * 1e6:11.1f}{t_ours * 1e6:10.1f}{t_ref / t_ours:8.1f}x"
-                  f"{floor * 1e6:10.1f}{t_ours / floor:10.1f}x", flush=True)
+                  f"{floor * 1e6:10.1f}{bound:>6}{t_ours / floor:10.1f}x", flush=True)
 
 
 # ---- the whole decode step ------------------------------------------------------------------
@@ -257,11 +275,12 @@ def main() -> None:
         sys.exit("the C++ decode ops did not build (see the warning above)")
     cfg = ModelConfig.from_pretrained(path, dtype=args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
-    bw = copy_bandwidth()
+    bw, rate = copy_bandwidth(), matmul_rate()
     print(f"model {path}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers; torch threads "
-          f"{torch.get_num_threads()}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+          f"{torch.get_num_threads()}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write); fp32 matmul "
+          f"{rate / 1e9:.0f} GFLOP/s")
     if not args.skip_ops:
-        op_table(cfg, rows, args.ctx, torch_dtype(args.dtype), bw)
+        op_table(cfg, rows, args.ctx, torch_dtype(args.dtype), bw, rate)
     if not args.skip_step:
         step_table(path, args.dtype, rows, args.ctx, args.steps)
 

@@ -83,18 +83,26 @@ void gdn_conv_channels(const GdnArgs<T>& a, int64_t b, int64_t c0, int64_t n, fl
 }
 
 // ---- 2. one delta-rule row of one value head over NV vectors of columns ----------------------
-// S_in / S_out: [dk rows (stride rs_in / rs_out), dv cols]; may alias (row i is read, then written)
+// S_in / S_out: [dk rows (stride rs_in / rs_out), dv cols]; may alias (row i is read, then
+// written). S_copy (or nullptr): a second destination of S_out, written with streaming stores.
+struct StateRows {
+  const float* in;
+  float* out;
+  float* copy;
+  int64_t rs_in, rs_out, rs_copy;
+  StateRows at(int64_t c) const { return {in + c, out + c, copy ? copy + c : nullptr, rs_in, rs_out, rs_copy}; }
+};
+
 template <int NV>
-inline void delta_cols(const float* S_in, float* S_out, int64_t rs_in, int64_t rs_out, int64_t dk,
-                       const float* k, const float* q, const float* v, float decay, float beta,
-                       float* o, int last_lanes) {
+inline void delta_cols(const StateRows& S, int64_t dk, const float* k, const float* q, const float* v,
+                       float decay, float beta, float* o, int last_lanes) {
   int lanes[NV];
   for (int j = 0; j < NV; ++j) lanes[j] = j == NV - 1 ? last_lanes : VF::N;
   VF kv[NV], u[NV], acc[NV];
   for (int j = 0; j < NV; ++j) kv[j] = VF::zero();
   for (int64_t i = 0; i < dk; ++i) {                           // kv = k^T S
     const VF ki = VF::set1(k[i]);
-    for (int j = 0; j < NV; ++j) kv[j] = fma(ki, load_n(S_in + i * rs_in + j * VF::N, lanes[j]), kv[j]);
+    for (int j = 0; j < NV; ++j) kv[j] = fma(ki, load_n(S.in + i * S.rs_in + j * VF::N, lanes[j]), kv[j]);
   }
   const VF vd = VF::set1(decay), vb = VF::set1(beta);
   for (int j = 0; j < NV; ++j) {
@@ -104,24 +112,23 @@ inline void delta_cols(const float* S_in, float* S_out, int64_t rs_in, int64_t r
   for (int64_t i = 0; i < dk; ++i) {                           // S' = decay S + k u^T; o = q^T S'
     const VF ki = VF::set1(k[i]), qi = VF::set1(q[i]);
     for (int j = 0; j < NV; ++j) {
-      VF sn = fma(ki, u[j], load_n(S_in + i * rs_in + j * VF::N, lanes[j]) * vd);
-      store_n(sn, S_out + i * rs_out + j * VF::N, lanes[j]);
+      VF sn = fma(ki, u[j], load_n(S.in + i * S.rs_in + j * VF::N, lanes[j]) * vd);
+      store_n(sn, S.out + i * S.rs_out + j * VF::N, lanes[j]);
+      if (S.copy) store_stream(sn, S.copy + i * S.rs_copy + j * VF::N, lanes[j]);
       acc[j] = fma(qi, sn, acc[j]);
     }
   }
   for (int j = 0; j < NV; ++j) store_n(acc[j], o + j * VF::N, lanes[j]);
 }
 
-inline void delta_row(const float* S_in, float* S_out, int64_t rs_in, int64_t rs_out, int64_t dk,
-                      int64_t dv, const float* k, const float* q, const float* v, float decay,
-                      float beta, float* o) {
+inline void delta_row(const StateRows& S, int64_t dk, int64_t dv, const float* k, const float* q,
+                      const float* v, float decay, float beta, float* o) {
   constexpr int64_t W = 4 * VF::N;                             // columns per chunk
   int64_t c = 0;
-  for (; c + W <= dv; c += W)
-    delta_cols<4>(S_in + c, S_out + c, rs_in, rs_out, dk, k, q, v + c, decay, beta, o + c, VF::N);
+  for (; c + W <= dv; c += W) delta_cols<4>(S.at(c), dk, k, q, v + c, decay, beta, o + c, VF::N);
   for (; c < dv; c += VF::N) {
     const int lanes = int(std::min<int64_t>(VF::N, dv - c));
-    delta_cols<1>(S_in + c, S_out + c, rs_in, rs_out, dk, k, q, v + c, decay, beta, o + c, lanes);
+    delta_cols<1>(S.at(c), dk, k, q, v + c, decay, beta, o + c, lanes);
   }
 }
 
@@ -154,27 +161,40 @@ void gdn_task(const GdnArgs<T>& a, int64_t b, int64_t kh) {
   }
   const bool init = a.init == nullptr || a.init[b];
   const int64_t z_off = s.C, b_off = s.C + s.nv * dv, a_off = b_off + s.nv;
+  // several rows: the running state lives in a cache-resident scratch tile and each destination
+  // slot is written with streaming stores (no read-for-ownership, never read back); one row: the
+  // state streams from its source slot to its destination slot directly
+  std::vector<float> work(L > 1 ? dk * dv : 0);
   for (int64_t h = kh * r; h < (kh + 1) * r; ++h) {
-    const float* S_in = a.ssm + a.src[b] * a.ssm_ss + h * a.ssm_sh;
+    const int64_t head = h * a.ssm_sh;
+    StateRows S{a.ssm + a.src[b] * a.ssm_ss + head, nullptr, nullptr, a.ssm_sk, a.ssm_sk, a.ssm_sk};
     for (int64_t t = 0; t < L; ++t) {
       const int64_t row = b * L + t;
-      const int64_t dslot = a.per_position ? a.dst[row] : a.dst[b];
-      float* S_out = a.ssm + dslot * a.ssm_ss + h * a.ssm_sh;
+      float* dst = a.ssm + (a.per_position ? a.dst[row] : a.dst[b]) * a.ssm_ss + head;
+      if (L > 1) {
+        S.out = work.data();
+        S.rs_out = dv;
+        S.copy = a.per_position || t == L - 1 ? dst : nullptr;
+      } else {
+        S.out = dst;
+      }
       if (t == 0 && !init) {                                   // start from zeros
-        for (int64_t i = 0; i < dk; ++i) std::fill(S_out + i * a.ssm_sk, S_out + i * a.ssm_sk + dv, 0.f);
-        S_in = S_out;
+        for (int64_t i = 0; i < dk; ++i) std::fill(S.out + i * S.rs_out, S.out + i * S.rs_out + dv, 0.f);
+        S.in = S.out;
+        S.rs_in = S.rs_out;
       }
       const T* prow = a.proj + row * a.sp;
       float decay, beta;
       gdn_gates(to_f32(prow[a_off + h]), to_f32(prow[b_off + h]), a.a_log[h], a.dt_bias[h], &decay, &beta);
-      delta_row(S_in, S_out, a.ssm_sk, a.ssm_sk, dk, dv, kb + t * dk, qb + t * dk,
-                vb + t * r * dv + (h - kh * r) * dv, decay, beta, ob);
-      S_in = S_out;
+      delta_row(S, dk, dv, kb + t * dk, qb + t * dk, vb + t * r * dv + (h - kh * r) * dv, decay, beta, ob);
+      S.in = S.out;
+      S.rs_in = S.rs_out;
       for (int64_t i = 0; i < dv; ++i) core[i] = from_f32<T>(ob[i]);   // the core in the model dtype
       gated_rms_norm_row(core.data(), prow + z_off + h * dv, a.norm_w, a.out + row * s.nv * dv + h * dv,
                          dv, a.eps);
     }
   }
+  stream_fence();
 }
 
 // ---- the op ---------------------------------------------------------------------------------

@@ -106,6 +106,7 @@ struct VF {
   void store(bf16* p) const { _mm256_storeu_si256((__m256i*)p, to_bf16()); }
   void store(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
   void store(bf16* p, int n) const { _mm256_mask_storeu_epi16(p, mask(n), to_bf16()); }
+  void stream(float* p) const { _mm512_stream_ps(p, v); }     // p 64-byte aligned
   float sum() const { return _mm512_reduce_add_ps(v); }
   float max() const { return _mm512_reduce_max_ps(v); }
   friend VF operator+(VF a, VF b) { return _mm512_add_ps(a.v, b.v); }
@@ -161,6 +162,7 @@ struct VF {
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const { _mm_storeu_si128((__m128i*)p, to_bf16()); }
+  void stream(float* p) const { _mm256_stream_ps(p, v); }     // p 32-byte aligned
   template <typename T> void store(T* p, int n) const {
     T tmp[N];
     store(tmp);
@@ -222,6 +224,7 @@ struct VF {
   template <typename T> void store(T* p, int n) const {
     for (int i = 0; i < n; ++i) p[i] = from_f32<T>(v[i]);
   }
+  void stream(float* p) const { store(p); }
   float sum() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
   float max() const { float s = v[0]; for (int i = 1; i < N; ++i) s = std::fmax(s, v[i]); return s; }
 #define BB_PORTABLE_BINOP(name, expr)                                 \
@@ -282,6 +285,19 @@ template <typename T> inline VF load_n(const T* p, int lanes) {
 }
 template <typename T> inline void store_n(VF x, T* p, int lanes) {
   if (lanes == VF::N) x.store(p); else x.store(p, lanes);
+}
+
+// A store that bypasses the caches (no read-for-ownership of the destination line) where the
+// address allows, for data written once and not read again soon; stream_fence() orders them.
+inline void store_stream(VF x, float* p, int lanes) {
+  if (lanes == VF::N && (reinterpret_cast<uintptr_t>(p) % sizeof(VF)) == 0) x.stream(p);
+  else store_n(x, p, lanes);
+}
+
+inline void stream_fence() {
+#if defined(__SSE__)
+  _mm_sfence();
+#endif
 }
 
 // x rounded to T lane by lane (identity for float)
