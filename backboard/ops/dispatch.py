@@ -1,5 +1,5 @@
-"""Kernel selection: per call, a Triton kernel (ops/triton/) on the GPU, our C++ kernel
-(ops/cpu/) on the CPU, or the torch reference.
+"""Kernel selection: per call, a Triton kernel (ops/triton/) on CUDA, our C++ kernel (ops/cpu/) on
+the CPU, or the torch reference.
 
 Every entry point here has the signature of its torch reference and returns the same thing, so a
 layer calls `dispatch.x(...)` and never needs to know which one ran.
@@ -11,7 +11,7 @@ Selection (`use_triton(*tensors)`), read at every call:
                             interpreter runs kernels on CPU tensors: that is how tests run them)
   BACKBOARD_KERNELS=auto    (default, or unset) Triton when the tensors are on CUDA and triton
                             imports; on CPU float32 / bfloat16 tensors the C++ decode ops
-                            (ops/cpu/decode_ops, `use_cpu_kernels`) when they built (else the
+                            (ops/cpu/decode_ops, `use_cpu_decode_ops`) when they built (else the
                             torch reference, logged once); the torch reference otherwise
 `override("torch" | "triton" | "auto")` does the same for a scope (benchmarks, tests) and wins
 over the environment.
@@ -96,7 +96,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return on_cuda and triton_available()
 
 
-def use_cpu_kernels(x: torch.Tensor, *others: torch.Tensor) -> bool:
+def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the C++ CPU kernel runs (called after use_triton said no): auto mode, CPU float32 /
     bfloat16 tensors, no autograd through them (draft-head training differentiates the norms and
     the MLP: the references do that), and the kernels built (compiled on first use, cached)."""
@@ -107,7 +107,7 @@ def use_cpu_kernels(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return cpu_ops.available()
 
 
-def prepare(device: torch.device, dtype: torch.dtype) -> None:
+def prepare_decode_ops(device: torch.device, dtype: torch.dtype) -> None:
     """Build (first use, minutes) or load (cached) the C++ kernels the forward will use on a CPU
     device, at start-up rather than inside the first step; logs which path runs."""
     if device.type != "cpu" or kernel_mode() != "auto" or dtype not in cpu_ops.DTYPES:
@@ -146,7 +146,7 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
         fn = _kernels("gdn_decode").gdn_decode
     else:
         same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
-        fn = cpu_ops.gdn_decode if same and use_cpu_kernels(proj) else gdn_decode_ref
+        fn = cpu_ops.gdn_decode if same and use_cpu_decode_ops(proj) else gdn_decode_ref
     return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, src_slots,
               dst_slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
@@ -159,7 +159,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
                                                             seq_lens, max_seq_len, scale)
-    if use_cpu_kernels(q) and k_cache.dtype == q.dtype:
+    if use_cpu_decode_ops(q) and k_cache.dtype == q.dtype:
         return cpu_ops.paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
                                               max_seq_len, scale)
     return paged_attention_uniform(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
@@ -169,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     """See ops.norm.rms_norm."""
     if use_triton(x):
         return _kernels("norm").rms_norm(x, weight, eps, zero_centered)
-    fn = cpu_ops.rms_norm if weight.dtype == x.dtype and use_cpu_kernels(x, weight) else rms_norm_ref
+    fn = cpu_ops.rms_norm if weight.dtype == x.dtype and use_cpu_decode_ops(x, weight) else rms_norm_ref
     return fn(x, weight, eps, zero_centered)
 
 
@@ -179,7 +179,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if use_triton(x):
         return _kernels("norm").fused_add_rms_norm(x, residual, weight, eps, zero_centered)
     same = residual.dtype == weight.dtype == x.dtype
-    cpu = same and use_cpu_kernels(x, residual, weight)
+    cpu = same and use_cpu_decode_ops(x, residual, weight)
     fn = cpu_ops.fused_add_rms_norm if cpu else fused_add_rms_norm_ref
     return fn(x, residual, weight, eps, zero_centered)
 
@@ -190,7 +190,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if use_triton(x):
         return _kernels("norm").gated_rms_norm(x, gate, weight, eps, out_dtype)
     same = gate.dtype == weight.dtype == out_dtype == x.dtype
-    fn = cpu_ops.gated_rms_norm if same and use_cpu_kernels(x, gate, weight) else gated_rms_norm_ref
+    fn = cpu_ops.gated_rms_norm if same and use_cpu_decode_ops(x, gate, weight) else gated_rms_norm_ref
     return fn(x, gate, weight, eps, out_dtype)
 
 
@@ -198,7 +198,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """See silu_mul_ref: [T, 2I] -> [T, I]."""
     if use_triton(x):
         return _kernels("activation").silu_mul(x)
-    return cpu_ops.silu_mul(x) if use_cpu_kernels(x) else silu_mul_ref(x)
+    return cpu_ops.silu_mul(x) if use_cpu_decode_ops(x) else silu_mul_ref(x)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ class ModelRunner:
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
-        dispatch.prepare(self.device, self.dtype)          # compile / load the CPU kernels now
+        dispatch.prepare_decode_ops(self.device, self.dtype)   # build / load the CPU decode ops now
         self.proposer = proposer
         extra = proposer.num_extra_attn_layers if proposer is not None else 0
         act = None

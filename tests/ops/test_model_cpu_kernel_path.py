@@ -55,4 +55,4 @@ def test_torch_mode_never_calls_the_cpu_kernels(hybrid_model, monkeypatch):
     monkeypatch.setenv("BACKBOARD_KERNELS", "torch")
     logits = _mixed_step(_driver(hybrid_model, "float32"), "torch")[0]
     assert torch.isfinite(logits).all()
-    assert dispatch.use_cpu_kernels(torch.zeros(1)) is False
+    assert dispatch.use_cpu_decode_ops(torch.zeros(1)) is False

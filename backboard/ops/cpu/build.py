@@ -58,10 +58,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def supported_isas() -> list[str]:
+def supported_isas() -> tuple[str, ...]:
     """Every level this CPU runs, best first ("portable" always last)."""
     flags = cpu_flags()
-    return [name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need)]
+    return tuple(name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need))
 
 
 def cpu_isa() -> str:
@@ -100,36 +100,37 @@ def load_kernels(family: str, sources: tuple[str, ...], isa: str | None = None) 
 def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
+    _remove_stale_locks(family, isa)
     _, mflags = ISA_LEVELS[isa]
     macro = f"-DBB_ISA_{isa.upper()}"
-    cflags = ["-O3", "-std=c++17", "-fopenmp", macro, *mflags]
-    # the hash of the sources and of this folder's headers is in the name: an edited kernel never
-    # loads a stale build
-    files = [*paths, *sorted(str(h) for h in SRC_DIR.glob("*.h"))]
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in files)).hexdigest()[:8]
-    name = f"backboard_{family}_{isa}_{digest}"
-    _remove_stale_lock(name)
-    return cpp_extension.load(name=name, sources=list(paths), extra_cflags=cflags,
-                              extra_ldflags=["-fopenmp"], verbose=False)
-
-
-STALE_LOCK_S = 900      # no build takes this long: its lock was left by a process killed mid-build
-
-
-def _remove_stale_lock(name: str) -> None:
-    """torch waits forever on the lock file of a build whose process was killed; remove it when
-    it is older than any build takes."""
-    from torch.utils import cpp_extension
-
-    try:
-        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("removing the stale build lock %s (a build was interrupted)", lock)
-            lock.unlink()
-    except OSError:
-        pass
+    cflags = ["-O3", "-fopenmp", macro, *mflags]       # the C++ standard: cpp_extension's (torch's)
+    # the hash of the sources, this folder's headers and the flags is in the name: an edited
+    # kernel or header never loads a stale build
+    inputs = [Path(p).read_bytes() for p in paths]
+    inputs += [h.read_bytes() for h in sorted(SRC_DIR.glob("*.h"))] + [" ".join(cflags).encode()]
+    digest = hashlib.sha1(b"\0".join(inputs)).hexdigest()[:8]
+    return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
+                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(msg: str) -> None:
     logger.warning(msg)
+
+
+STALE_LOCK_S = 900      # no build takes this long: such a lock was left by a process killed mid-build
+
+
+def _remove_stale_locks(family: str, isa: str) -> None:
+    """torch waits forever on the lock file of a build whose process was killed; remove the
+    family's locks that are older than any build takes."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    for lock in root.glob(f"*/backboard_{family}_{isa}_*/lock"):      # <root>/py311_cpu/<name>/lock
+        try:
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                logger.warning("removing the stale build lock %s (a build was interrupted)", lock)
+                lock.unlink()
+        except OSError:
+            pass
