@@ -90,9 +90,8 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            dispatch.prepare_cpu_kernels()            # compile now, not in the first request
         self.load_time_s = time.time() - t0
+        dispatch.prepare_cpu_kernels(self.device, self.dtype)   # build / load them now, not in a step
         self.proposer = proposer
         extra = proposer.num_extra_attn_layers if proposer is not None else 0
         act = None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from backboard.ops import dispatch, quant
-from backboard.ops.cpu import build, gemm
+from backboard.ops.cpu import build, decode_ops, gemm
 
 LEVELS = list(dict.fromkeys(lv for lv in (build.cpu_isa(), "avx2", "portable")
                             if lv in build.supported_isas()))
@@ -166,17 +166,23 @@ def test_dispatch_runs_the_cpu_kernels_in_auto_mode(spy):
 
 
 def test_engines_build_the_kernels_before_their_first_request(monkeypatch):
+    """The runner calls prepare_cpu_kernels at start-up: both families are built (or loaded) for a
+    CPU float32 / bfloat16 model, nothing for other devices, dtypes, or with the kernels off."""
     built = []
-    monkeypatch.setattr(gemm, "module", lambda isa=None: built.append(isa))
+    monkeypatch.setattr(gemm, "module", lambda isa=None: built.append("gemm"))
+    monkeypatch.setattr(decode_ops, "kernels", lambda isa=None: built.append("decode_ops"))
     monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
     monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
-    dispatch.prepare_cpu_kernels()
-    assert built == [None]
+    cpu = torch.device("cpu")
+    dispatch.prepare_cpu_kernels(cpu, torch.bfloat16)
+    assert built == ["gemm", "decode_ops"]
+    dispatch.prepare_cpu_kernels(torch.device("cuda"), torch.bfloat16)
+    dispatch.prepare_cpu_kernels(cpu, torch.float16)
     with dispatch.override("torch"):
-        dispatch.prepare_cpu_kernels()
+        dispatch.prepare_cpu_kernels(cpu, torch.bfloat16)
     monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
-    dispatch.prepare_cpu_kernels()
-    assert built == [None]
+    dispatch.prepare_cpu_kernels(cpu, torch.float32)
+    assert built == ["gemm", "decode_ops"]
 
 
 def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
