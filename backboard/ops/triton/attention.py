@@ -175,10 +175,10 @@ def decode_tiles(L: int, r: int, D: int, dtype: torch.dtype) -> tuple[int, int, 
     BLOCK_D = next_pow2(D)
     BLOCK_M = min(max(16, next_pow2(L * r)), 32)
     if dtype == torch.float32:
-        BLOCK_N = 16 if BLOCK_D >= 256 else 32
+        BLOCK_N = 16 if BLOCK_D >= 128 else 32
     else:                                      # (64 keys at D = 32 spill a few bytes on sm_90)
         BLOCK_N = 64 if 64 <= BLOCK_D <= 128 else 32
-    warps = 8 if BLOCK_M * BLOCK_D >= (4096 if dtype == torch.float32 else 8192) else 4
+    warps = 8 if BLOCK_M * BLOCK_D >= (2048 if dtype == torch.float32 else 8192) else 4
     return BLOCK_M, BLOCK_N, BLOCK_D, warps
 
 
