@@ -79,6 +79,24 @@ def test_no_recompiles_while_serving(hybrid_model, tmp_path):
     assert res["launches"] > 1000
 
 
+def test_launches_per_eager_step(hybrid_model, tmp_path):
+    """Kernel launches of an eager step, counted on the CPU (benchmarks/launch_count.py): the
+    Triton kernels of a decode step are exactly the fused ones (per layer: two fused add + norms
+    and SiLU-mul; GDN: conv, recurrent step, gated norm; attention: q / k norms, decode + split
+    reduce), and the torch glue around them does not grow unnoticed."""
+    out = tmp_path / "launches.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "launch_count.py"), hybrid_model,
+                        "--json", str(out)], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(r.stdout)
+    c = json.loads(out.read_text())
+    dec = c["decode B=4"]
+    assert dec["layers"] == 8 and dec["triton"] == 1 + 6 * 6 + 2 * 7      # 6 GDN + 2 attention layers
+    assert dec["torch"] <= 101, dec["torch_ops"]
+    assert c["verify B=4 L=4"]["triton"] == dec["triton"]
+
+
 # ---- the budget arithmetic ---------------------------------------------------------------------
 PTXAS_LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_int8_linear_kernel' for 'sm_90a'
