@@ -93,7 +93,7 @@ def test_launches_per_eager_step(hybrid_model, tmp_path):
     c = json.loads(out.read_text())
     dec = c["decode B=4"]
     assert dec["layers"] == 8 and dec["triton"] == 1 + 6 * 6 + 2 * 7      # 6 GDN + 2 attention layers
-    assert dec["torch"] <= 101, dec["torch_ops"]
+    assert dec["torch"] <= 95, dec["torch_ops"]                         # measured: 95
     assert c["verify B=4 L=4"]["triton"] == dec["triton"]
 
 
