@@ -140,14 +140,15 @@ FAMILIES = {"norm": launch_norms, "gdn": launch_gdn, "attention": launch_attenti
 
 
 def launch_all(s: KernelShapes, dtypes=DTYPES, families=tuple(FAMILIES), full: bool = True) -> None:
-    """Every launch the engine can make at shapes `s`; `full` adds the recurrent kernel's block_v
-    tuning candidates that gpu_check times and every int4 group size (not only the default
-    and 96), which CI leaves to benchmarks/triton_compile_matrix.py."""
+    """Every launch the engine can make at shapes `s`, and the recurrent kernel's whole-head
+    block_v that gpu_check times; `full` adds the other block_v tuning candidates and every int4
+    group size (not only the default and 96), which CI leaves to
+    benchmarks/triton_compile_matrix.py."""
     for dt in dtypes:
         for family in families:
             if family == "quant" and not full:
                 launch_quant(s, dt, INT4_GROUPS_CI)
             else:
                 FAMILIES[family](s, dt)
-        if full and "gdn" in families:
-            launch_gdn(s, dt, block_vs=BLOCK_V_TUNING)
+        if "gdn" in families:                # the whole-head step (fused norm) is in CI too
+            launch_gdn(s, dt, block_vs=BLOCK_V_TUNING if full else ("head",))
