@@ -57,6 +57,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _host_compiling() -> bool:
+    """Launches are being recorded for a GPU target (ops/triton/host_compile.py): CPU tensors,
+    nothing runs."""
+    from backboard.ops.triton._checks import HostCompile
+    return HostCompile.active
+
+
 def triton_available() -> bool:
     """triton imports (probed once, lazily)."""
     global _triton_ok
@@ -80,7 +87,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         if not triton_available():
             raise RuntimeError(f"{ENV_VAR}=triton, but triton cannot be imported "
                                "(pip install triton, or use BACKBOARD_KERNELS=torch)")
-        if not on_cuda and not interpreting():
+        if not on_cuda and not (interpreting() or _host_compiling()):
             devs = sorted({str(t.device) for t in tensors})
             raise RuntimeError(f"{ENV_VAR}=triton with tensors on {devs}: Triton kernels need CUDA "
                                "tensors, or TRITON_INTERPRET=1 to run on the CPU")
@@ -154,10 +161,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels("activation").silu_mul(x) if use_triton(x) else silu_mul_ref(x)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See ops.quant.int8_linear_ref: x [M, K] @ (int8 [N, K] * scale [N])^T -> [M, N]."""
     fn = _kernels("quant_gemm").int8_linear if use_triton(x) else int8_linear_ref
-    return fn(x, q, scale)
+    return fn(x, q, scale, out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
