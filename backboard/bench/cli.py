@@ -81,8 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _register_serve(bsub) -> None:
     p = bsub.add_parser("serve", help="one InferenceX run against one server",
                         description="Random prompts, closed-loop concurrency, streaming "
-                                    "/v1/completions: InferenceX's client, metric for metric.")
+                                    "/v1/completions (or chat): InferenceX's client, metric for "
+                                    "metric.")
     p.add_argument("--base-url", type=_base_url, required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--backend", default="vllm", choices=["vllm", "openai", "openai-chat"],
+                   help="InferenceX's: vllm / openai POST /v1/completions (default), openai-chat "
+                        "POST /v1/chat/completions with the prompt as one user message")
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--tokenizer", help="tokenizer (path or name) for the prompts; default: --model")
     p.add_argument("--input-len", type=_positive_int, required=True)
@@ -115,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
                       input_len=args.input_len, output_len=args.output_len,
                       concurrency=args.concurrency, range_ratio=args.range_ratio,
                       num_prompts=args.num_prompts, num_warmups=args.num_warmups, seed=args.seed,
-                      api_key=args.api_key, disable_tqdm=args.disable_tqdm)
+                      api_key=args.api_key, disable_tqdm=args.disable_tqdm, backend=args.backend)
     try:
         result = run_serve(cfg)
     except (BenchError, OSError) as e:  # server unreachable, tokenizer not found, ...
