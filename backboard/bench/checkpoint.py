@@ -115,8 +115,9 @@ def build_bench_checkpoint(out_dir: str, dtype: str = "bfloat16", seed: int = 0)
 
     from backboard.models.tiny import _hf_model
 
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".bench-", dir=out_dir)
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=os.path.dirname(out_dir))
     try:
         tok = build_qwen35_tokenizer(tmp)
         torch.manual_seed(seed)
@@ -124,11 +125,8 @@ def build_bench_checkpoint(out_dir: str, dtype: str = "bfloat16", seed: int = 0)
             "<|im_end|>"), pad_id=tok.convert_tokens_to_ids("<|endoftext|>"))
         model.to(getattr(torch, dtype)).save_pretrained(tmp)
         _note_origin(tmp, dtype, seed)
-        for name in os.listdir(tmp):
-            dst = os.path.join(out_dir, name)
-            if os.path.isdir(dst):
-                shutil.rmtree(dst)
-            os.replace(os.path.join(tmp, name), dst)
+        shutil.rmtree(out_dir, ignore_errors=True)   # a folder appears whole or not at all
+        os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -301,13 +301,15 @@ def test_cpu_preset_definition(tmp_path):
         assert "--dtype bfloat16" in args  # both serve bf16 by default
     # both cores for every engine
     assert "--cpu-threads 2" in " ".join(bb.argv)
-    assert vl.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and vl.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert vl.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert vl.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     largs = " ".join(lc.argv)
     assert "-t 2 -tb 2" in largs and "-np 64" in largs and f"-c {64 * 1108}" in largs
     assert "--no-cache-prompt" in largs and "--no-enable-prefix-caching" in vl.argv
     for t in cfg.targets:
         assert t.base_url.split(":")[-1] in " ".join(t.argv)
-    assert vl.env["PYTHONPATH"] == os.path.join(venv, "stubs") and "VLLM_CPU_KVCACHE_SPACE" in vl.env
+    assert vl.env["PYTHONPATH"] == os.path.join(venv, "stubs")
+    assert "VLLM_CPU_KVCACHE_SPACE" in vl.env
     fp = prepare_cpu_preset(vllm_venv=venv, llama_dir=llama, model_dir=model,
                             variables={"backboard_dtype": "float32"})
     assert "--dtype float32" in " ".join(fp.targets[0].argv)
