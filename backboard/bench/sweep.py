@@ -244,6 +244,7 @@ def environment_info() -> dict:
         "python": sys.version.split()[0],
         "packages": packages,
         "cpu_model": _cpu_model(),
+        "cpu_isa": _cpu_isa(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": _memory_gib(),
@@ -260,6 +261,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _cpu_isa() -> list[str]:
+    """The vector ISA flags that choose CPU kernels (AVX2, AVX-512 and its BF16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(x for x in line.split(":", 1)[1].split()
+                                  if x.startswith(("avx2", "avx512", "amx", "fma")))
+    except OSError:
+        pass
+    return []
 
 
 def _memory_gib() -> float | None:

@@ -108,6 +108,11 @@ def test_environment_info():
     assert env["cpu_count"] == os.cpu_count() and env["cpu_model"]
     assert "numpy" in env["packages"] and env["python"].count(".") == 2
     assert isinstance(env["gpus"], list)
+    # the ISA picks the CPU kernels: the figures of an AVX2 and an AVX512-BF16 machine differ
+    with open("/proc/cpuinfo") as f:
+        has_avx2 = " avx2 " in f.read()
+    assert ("avx2" in env["cpu_isa"]) == has_avx2
+    assert all(x.startswith(("avx2", "avx512", "amx", "fma")) for x in env["cpu_isa"])
 
 
 # ---------------------------------------------------------------- interleaving (no servers)
