@@ -71,15 +71,14 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
-    parent = llm._add(prompt, sp, 0)
-    while llm.engine.has_unfinished_requests():
-        outs, to_stop = llm.outputs.process(llm.engine.step())
-        if to_stop:
-            llm.engine.stop_requests(to_stop)
-        for o in outs:
+    llm.add_request(prompt, sp)
+    final = None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
             sys.stdout.write(o.outputs[0].delta_text)
             sys.stdout.flush()
-    c = parent.output().outputs[0]
+            final = o
+    c = final.outputs[0]
     sys.stdout.write("\n")
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
     return 0
