@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import uvicorn
 
 from backboard.config import EngineConfig
-from backboard.engine.async_engine import AsyncLLM, EngineDeadError, EngineStartError
+from backboard.engine.async_llm import AsyncLLM
+from backboard.engine.request_stream import EngineDeadError, EngineStartError
 from backboard.server.api import ServerState, build_app
 from backboard.server.metrics import ServerMetrics
 
