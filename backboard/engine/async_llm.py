@@ -32,8 +32,9 @@ from backboard.config import EngineConfig
 from backboard.core.outputs import EngineCoreOutput
 from backboard.engine import messages as M
 from backboard.engine.core_proc import run_engine_core
-from backboard.engine.request_stream import (ChildDelta, EngineDeadError, EngineStartError,
-                                             RequestRejected, RequestStream, RequestTimings)
+from backboard.engine.output_processor import CompletionOutput, RequestOutput
+from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, EngineStartError,
+                                             RequestDelta, RequestRejected, RequestStream, RequestTimings)
 from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, bound_address, make_socket
 from backboard.request import EngineCoreRequest
 from backboard.sampling_params import SamplingParams
@@ -154,7 +155,7 @@ class AsyncLLM:
         arrival = arrival_time if arrival_time is not None else time.time()
         _, ecr = self.inputs.make_request(prompt_ids, params, request_id=request_id, arrival_time=arrival)
         parent = ParentRequest(request_id, prompt_text, ecr.prompt_token_ids, params, self.tokenizer, arrival)
-        stream = RequestStream(request_id, parent, RequestTimings(arrival))
+        stream = RequestStream(request_id, params.n, len(ecr.prompt_token_ids), RequestTimings(arrival))
         reqs = [EngineCoreRequest(cid, ecr.prompt_token_ids, parent.child_params(i), ecr.eos_token_ids,
                                   ecr.arrival_time, ecr.priority)
                 for i, cid in enumerate(self.outputs.add(parent))]
@@ -170,11 +171,8 @@ class AsyncLLM:
         if child_ids and self.state == "ready":
             self._send(M.AbortRequests(child_ids))
         if stream is not None and not stream.finished:
-            stream.aborted = True
+            stream.abort()
             stream.timings.finished = time.time()
-            for c in stream.parent.children:
-                if c.out.finish_reason is None:
-                    c.out.finish_reason = "abort"
             if self.on_finished is not None:
                 self.on_finished(stream)
 
@@ -267,7 +265,7 @@ class AsyncLLM:
 
     def _fail_all(self, exc: BaseException) -> None:
         for s in self.streams.values():
-            s._fail(exc)
+            s.fail(exc)
         self.streams.clear()
 
     def _on_step(self, m: M.StepOutputs) -> None:
@@ -297,18 +295,33 @@ class AsyncLLM:
         others = [c for c in self.outputs.abort(s.request_id) if c != child_id]
         if others:
             self._send(M.AbortRequests(others))
-        s._fail(RequestRejected(why))
+        s.fail(RequestRejected(why))
 
     def _route(self, outputs: list[EngineCoreOutput], now: float) -> None:
-        """Detokenize (OutputProcessor) and queue each touched child's delta on its stream."""
+        """Detokenize (OutputProcessor) and queue each touched request's delta on its stream."""
+        touched = self._touched(outputs, now)
+        results, to_stop = self.outputs.process(outputs)
+        if to_stop:
+            self._send(M.StopRequests(to_stop))
+        for ro in results:
+            s = self.streams.get(ro.request_id)
+            if s is None:
+                continue
+            s.push(_delta(ro, touched.get(ro.request_id, ())))
+            if ro.finished:
+                s.timings.finished = now
+                del self.streams[ro.request_id]
+                if self.on_finished is not None:
+                    self.on_finished(s)
+
+    def _touched(self, outputs: list[EngineCoreOutput], now: float) -> dict[str, list[int]]:
+        """request id -> the completions these outputs advance; stamps first-token timings."""
         touched: dict[str, list[int]] = {}
         for eco in outputs:
             entry = self.outputs.child_to_parent.get(eco.req_id)
-            if entry is None:
+            if entry is None or entry[0].children[entry[1]].out.finished:
                 continue
             parent, i = entry
-            if parent.children[i].out.finished:
-                continue
             touched.setdefault(parent.request_id, []).append(i)
             s = self.streams.get(parent.request_id)
             if s is not None:
@@ -317,21 +330,16 @@ class AsyncLLM:
                 if eco.new_token_ids:
                     t.engine_first_token = t.engine_first_token or eco.first_token_time
                     t.first_output = t.first_output or now
-        results, to_stop = self.outputs.process(outputs)
-        if to_stop:
-            self._send(M.StopRequests(to_stop))
-        for ro in results:
-            s = self.streams.get(ro.request_id)
-            if s is None:
-                continue
-            deltas = []
-            for i in touched.get(ro.request_id, ()):
-                c = ro.outputs[i]
-                deltas.append(ChildDelta(i, c.delta_text, list(c.delta_token_ids), c.delta_logprobs,
-                                         c.finish_reason, c.stop_reason))
-            s._put(deltas, ro.finished)
-            if ro.finished:
-                s.timings.finished = now
-                del self.streams[ro.request_id]
-                if self.on_finished is not None:
-                    self.on_finished(s)
+        return touched
+
+
+def _delta(ro: RequestOutput, indices) -> RequestDelta:
+    """The step's RequestDelta of a request, from its (cumulative) RequestOutput."""
+    return RequestDelta(ro.request_id, [_completion_delta(ro.outputs[i]) for i in indices], ro.finished,
+                        len(ro.prompt_token_ids), sum(len(c.token_ids) for c in ro.outputs),
+                        ro.prompt_logprobs if ro.finished else None)
+
+
+def _completion_delta(c: CompletionOutput) -> CompletionDelta:
+    return CompletionDelta(c.index, c.delta_text, list(c.delta_token_ids), c.delta_logprobs,
+                           c.finish_reason, c.stop_reason)

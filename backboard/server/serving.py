@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import ChildDelta, EngineDeadError, RequestRejected, RequestStream
+from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, RequestDelta, RequestRejected,
+                                             RequestStream)
 from backboard.engine.output_processor import InputError
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class _Call:
     model: str
     created: int
     stream: RequestStream
+    params: SamplingParams
     include_usage: bool = False
     continuous_usage: bool = False
     want_timing: bool = False
@@ -76,7 +78,7 @@ class _Pending:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     has_logprobs: bool = False
 
-    def add(self, d: ChildDelta) -> None:
+    def add(self, d: CompletionDelta) -> None:
         self.text.append(d.text)
         self.num_tokens += len(d.token_ids)
         if d.logprobs is not None:
@@ -87,6 +89,26 @@ class _Pending:
         out = ("".join(self.text), self.num_tokens, self.logprobs if self.has_logprobs else None)
         self.text, self.num_tokens, self.logprobs, self.has_logprobs = [], 0, [], False
         return out
+
+
+class _Whole:
+    """A non-streamed request's output, put together from its deltas."""
+
+    def __init__(self, n: int) -> None:
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        self.num_output_tokens = 0
+        self.prompt_logprobs = None
+
+    def add(self, d: RequestDelta) -> None:
+        for c in d.outputs:
+            self.text[c.index].append(c.text)
+            self.logprobs[c.index].extend(c.logprobs or ())
+            self.finish[c.index] = (c.finish_reason, c.stop_reason)
+        self.num_output_tokens = d.num_output_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
 
 
 class GenerationHandler:
@@ -144,7 +166,7 @@ class GenerationHandler:
             raise bad_request(str(e), param) from e
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
-        call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream,
+        call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
                      req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers)
         first = await self._wait(stream.get(), raw, rid)
         if first is None:
@@ -174,53 +196,49 @@ class GenerationHandler:
             self.engine.abort(rid)
             raise
 
-    async def _collect(self, call: _Call, first: list[ChildDelta]) -> dict:
+    async def _collect(self, call: _Call, first: list[RequestDelta]) -> dict:
         """Wait for the whole request; the non-streaming body."""
-        stream = call.stream
-        parent = stream.parent
-        lps: list[list[TokenLogprobs]] = [[] for _ in parent.children]
+        whole = _Whole(call.params.n)
         deltas = first
         while deltas:
             for d in deltas:
-                if d.logprobs:
-                    lps[d.index].extend(d.logprobs)
-            deltas = await stream.get()
-        choices = []
-        n_out = 0
-        for i, c in enumerate(parent.children):
-            o = c.out
-            n_out += len(o.token_ids)
-            want_lp = parent.params.logprobs is not None
-            if call.kind.chat:
-                lp = R.chat_logprobs(lps[i], self.tt) if want_lp else None
-                choice = R.chat_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
-            else:
-                lp = R.completion_logprobs(lps[i], self.tt, 0)[0] if want_lp else None
-                choice = R.completion_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
-            if parent.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = R.prompt_logprobs(parent.prompt_logprobs, self.tt)
-            choices.append(choice)
+                whole.add(d)
+            deltas = await call.stream.get()
+        want_lp = call.params.logprobs is not None
+        choices = [self._choice(call, whole, i, want_lp) for i in range(call.params.n)]
         body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
-                      R.usage(stream.num_prompt_tokens, n_out))
+                      R.usage(call.stream.num_prompt_tokens, whole.num_output_tokens))
         if call.want_timing:
-            call.first_chunk_time = stream.timings.first_output
+            call.first_chunk_time = call.stream.timings.first_output
             body["backboard_timing"] = self._timing(call)
         return body
 
-    async def _events(self, call: _Call, first: list[ChildDelta]) -> AsyncIterator[bytes]:
+    def _choice(self, call: _Call, whole: "_Whole", i: int, want_lp: bool) -> dict:
+        text, lps = "".join(whole.text[i]), whole.logprobs[i]
+        finish, stop = whole.finish[i]
+        if call.kind.chat:
+            lp = R.chat_logprobs(lps, self.tt) if want_lp else None
+            choice = R.chat_choice(i, text, lp, finish, stop)
+        else:
+            lp = R.completion_logprobs(lps, self.tt, 0)[0] if want_lp else None
+            choice = R.completion_choice(i, text, lp, finish, stop)
+        if whole.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = R.prompt_logprobs(whole.prompt_logprobs, self.tt)
+        return choice
+
+    async def _events(self, call: _Call, first: list[RequestDelta]) -> AsyncIterator[bytes]:
         """The SSE stream: token chunks (stream_interval tokens each; the last group and the
         finish_reason always go out), then the usage chunk if asked, then [DONE]."""
         stream = call.stream
-        n_children = len(stream.parent.children)
-        pending = [_Pending() for _ in range(n_children)]
-        started = [False] * n_children
-        offsets = [0] * n_children
+        pending = [_Pending() for _ in range(stream.n)]
+        started = [False] * stream.n
+        offsets = [0] * stream.n
         sent_tokens = 0
         deltas = first
         try:
             while deltas:
                 events = []
-                for d in deltas:
+                for d in (c for rd in deltas for c in rd.outputs):
                     p = pending[d.index]
                     p.add(d)
                     if p.num_tokens < self.stream_interval and d.finish_reason is None:
@@ -251,7 +269,7 @@ class GenerationHandler:
             yield R.sse(final)
         yield R.SSE_DONE
 
-    def _chunk_choice(self, call: _Call, d: ChildDelta, text: str, lps, started: list[bool],
+    def _chunk_choice(self, call: _Call, d: CompletionDelta, text: str, lps, started: list[bool],
                       offsets: list[int]) -> dict:
         i = d.index
         if call.kind.chat:

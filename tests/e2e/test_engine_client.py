@@ -15,7 +15,7 @@ import pytest
 from backboard.config import EngineConfig
 from backboard.engine import messages as M
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import EngineDeadError
+from backboard.engine.request_stream import EngineDeadError, RequestDelta
 from backboard.engine.tokenizer import Tokenizer
 from backboard.request import EngineCoreRequest
 from backboard.sampling_params import SamplingParams
@@ -32,35 +32,56 @@ async def _started(model: str, addresses: str | None = None) -> AsyncLLM:
     return engine
 
 
-async def _tokens(stream) -> list[int]:
+async def _deltas(stream) -> list[RequestDelta]:
     out = []
     async for deltas in stream:
-        for d in deltas:
-            out += d.token_ids
+        out += deltas
     return out
+
+
+async def _tokens(stream) -> list[int]:
+    return [t for d in await _deltas(stream) for c in d.outputs for t in c.token_ids]
 
 
 async def _until_tokens(stream, n: int) -> None:
     got = 0
     while got < n:
-        got += sum(len(d.token_ids) for d in await stream.get())
+        got += sum(len(c.token_ids) for d in await stream.get() for c in d.outputs)
 
 
 @pytest.mark.parametrize("addresses", [None, "tcp://127.0.0.1:0"], ids=["ipc", "tcp"])
-def test_outputs_over_either_transport(server_model, addresses):
+def test_request_deltas_over_either_transport(server_model, addresses):
+    """n = 2 seeded completions with logprobs and prompt logprobs: each request's deltas add up to
+    what the offline LLM returns, over ipc:// and tcp:// alike."""
     from backboard import LLM
 
-    want = LLM(server_model, max_model_len=512).generate([[3, 4, 5]], GREEDY)[0].outputs[0].token_ids
+    sp = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logprobs=2,
+                        prompt_logprobs=1)
+    want = LLM(server_model, max_model_len=512).generate([[3, 4, 5]], sp)[0]
 
-    async def main() -> list[list[int]]:
+    async def main() -> list[list[RequestDelta]]:
         engine = await _started(server_model, addresses)
         try:
-            streams = [engine.add_request([3, 4, 5], GREEDY, f"r{i}") for i in range(3)]
-            return await asyncio.wait_for(asyncio.gather(*map(_tokens, streams)), 120)
+            streams = [engine.add_request([3, 4, 5], sp, f"r{i}") for i in range(2)]
+            return await asyncio.wait_for(asyncio.gather(*map(_deltas, streams)), 120)
         finally:
             await engine.shutdown()
 
-    assert asyncio.run(main()) == [want] * 3
+    for deltas in asyncio.run(main()):
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        last = deltas[-1]
+        assert last.num_prompt_tokens == 3 and last.num_output_tokens == 12
+        assert last.prompt_logprobs[0] is None and len(last.prompt_logprobs) == 3
+        for got, exp in zip(last.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert got.keys() == exp.keys() and list(got.values()) == pytest.approx(list(exp.values()), abs=1e-5)
+        assert all(d.prompt_logprobs is None for d in deltas[:-1])
+        for i, c in enumerate(want.outputs):
+            mine = [x for d in deltas for x in d.outputs if x.index == i]
+            assert [t for x in mine for t in x.token_ids] == c.token_ids
+            assert "".join(x.text for x in mine) == c.text
+            assert [lp.logprob for x in mine for lp in x.logprobs] == pytest.approx(
+                [d[t] for d, t in zip(c.logprobs, c.token_ids)], abs=1e-5)
+            assert mine[-1].finish_reason == "length" and all(x.finish_reason is None for x in mine[:-1])
 
 
 def test_killed_engine_fails_requests_in_flight(server_model):
