@@ -19,22 +19,11 @@ from backboard.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 speculative_config: Any = None, device: str = "auto",
-                 scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0,
-                 enforce_eager: bool = False) -> None:
-        self.config = EngineConfig.create(
-            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
-            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
-            device=device, seed=seed, tokenizer=tokenizer, scheduling_policy=scheduling_policy,
-            long_prefill_token_threshold=long_prefill_token_threshold, enforce_eager=enforce_eager)
-        self.tokenizer = Tokenizer(tokenizer or model)
+    def __init__(self, model: str, **settings: Any) -> None:
+        """`model`: a checkpoint folder; `settings`: the engine settings (the fields of
+        backboard.config.EngineArgs: max_num_seqs, max_model_len, dtype, speculative_config, ...)."""
+        self.config = EngineConfig.create(model, **settings)
+        self.tokenizer = Tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         mc = self.config.model
         eos = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
