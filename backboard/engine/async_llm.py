@@ -192,8 +192,8 @@ class AsyncLLM:
 
     def _flush(self) -> None:
         msgs, self._outbox = self._outbox, []
-        if not msgs or self.state in ("dead", "stopped") and not isinstance(msgs[-1], M.Shutdown):
-            return
+        if not msgs or (self.state in ("dead", "stopped") and not isinstance(msgs[-1], M.Shutdown)):
+            return                                # nobody to send to (a Shutdown still goes out)
         frame = self._enc.encode(msgs)
         sent = self._inp.send_multipart([ENGINE_IDENTITY, frame], flags=zmq.NOBLOCK, copy=False)
         if sent.exception() is not None:          # the engine is gone: its sentinel reports it

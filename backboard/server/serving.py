@@ -91,6 +91,27 @@ class _Pending:
         return out
 
 
+class _Chunks:
+    """A stream's state between chunks: tokens held back (stream interval > 1), which choices have
+    started, each choice's logprob text offset, and the tokens sent so far."""
+
+    def __init__(self, n: int) -> None:
+        self.pending = [_Pending() for _ in range(n)]
+        self.started = [False] * n
+        self.offsets = [0] * n
+        self.sent_tokens = 0
+
+    def take_due(self, d: CompletionDelta, interval: int) -> tuple[str, list[TokenLogprobs] | None] | None:
+        """(text, logprobs) to send now for this completion, or None to hold them back."""
+        p = self.pending[d.index]
+        p.add(d)
+        if d.finish_reason is None and p.num_tokens < interval:
+            return None
+        text, n, lps = p.take()
+        self.sent_tokens += n
+        return text, lps
+
+
 class _Whole:
     """A non-streamed request's output, put together from its deltas."""
 
@@ -229,58 +250,55 @@ class GenerationHandler:
     async def _events(self, call: _Call, first: list[RequestDelta]) -> AsyncIterator[bytes]:
         """The SSE stream: token chunks (stream_interval tokens each; the last group and the
         finish_reason always go out), then the usage chunk if asked, then [DONE]."""
-        stream = call.stream
-        pending = [_Pending() for _ in range(stream.n)]
-        started = [False] * stream.n
-        offsets = [0] * stream.n
-        sent_tokens = 0
+        chunks = _Chunks(call.stream.n)
         deltas = first
         try:
             while deltas:
-                events = []
-                for d in (c for rd in deltas for c in rd.outputs):
-                    p = pending[d.index]
-                    p.add(d)
-                    if p.num_tokens < self.stream_interval and d.finish_reason is None:
-                        continue
-                    if p.num_tokens == 0 and d.finish_reason is None:
-                        continue
-                    text, n, lps = p.take()
-                    sent_tokens += n
-                    choice = self._chunk_choice(call, d, text, lps, started, offsets)
-                    chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
-                    if call.continuous_usage:
-                        chunk["usage"] = R.usage(stream.num_prompt_tokens, sent_tokens)
-                    events.append(R.sse(chunk))
+                events = self._sse_chunks(call, chunks, deltas)
                 if events:
-                    if call.first_chunk_time is None:
-                        call.first_chunk_time = time.time()
+                    call.first_chunk_time = call.first_chunk_time or time.time()
                     yield b"".join(events)
-                deltas = await stream.get()
+                deltas = await call.stream.get()
         except EngineDeadError as e:
             yield R.sse(error_body(str(e), "server_error", code=500))
             yield R.SSE_DONE
             return
         if call.include_usage:
-            final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
-                           R.usage(stream.num_prompt_tokens, sent_tokens))
-            if call.want_timing:
-                final["backboard_timing"] = self._timing(call)
-            yield R.sse(final)
+            yield R.sse(self._usage_chunk(call, chunks.sent_tokens))
         yield R.SSE_DONE
 
-    def _chunk_choice(self, call: _Call, d: CompletionDelta, text: str, lps, started: list[bool],
-                      offsets: list[int]) -> dict:
+    def _sse_chunks(self, call: _Call, chunks: "_Chunks", deltas: list[RequestDelta]) -> list[bytes]:
+        """The events these deltas make due (none for tokens held back by the stream interval)."""
+        events = []
+        for d in (c for rd in deltas for c in rd.outputs):
+            due = chunks.take_due(d, self.stream_interval)
+            if due is None:
+                continue
+            choice = self._chunk_choice(call, chunks, d, *due)
+            chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
+            if call.continuous_usage:
+                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens)
+            events.append(R.sse(chunk))
+        return events
+
+    def _usage_chunk(self, call: _Call, sent_tokens: int) -> dict:
+        final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
+                       R.usage(call.stream.num_prompt_tokens, sent_tokens))
+        if call.want_timing:
+            final["backboard_timing"] = self._timing(call)
+        return final
+
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
-            first = not started[i]
-            started[i] = True
+            first = not chunks.started[i]
+            chunks.started[i] = True
             content = text if (text or first or d.finish_reason is None) else None
             return R.chat_delta_choice(i, content, first, lp, d.finish_reason, d.stop_reason)
         lp = None
         if lps is not None:
-            lp, offsets[i] = R.completion_logprobs(lps, self.tt, offsets[i])
+            lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
         return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
 
     def _timing(self, call: _Call) -> dict[str, Any]:
