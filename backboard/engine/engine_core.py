@@ -1,5 +1,5 @@
 """The engine loop: schedule -> execute -> update. Runs in-process for the offline LLM and in its
-own process behind the HTTP server (engine/async_engine.py)."""
+own process behind the HTTP server (engine/core_proc.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The front end's side of a request: prompt validation and tokenization on the way in;
 incremental detokenization, stop strings, logprobs and fan-out of n > 1 on the way out.
 
-The same code serves the offline LLM and the HTTP server (engine/async_engine.py)."""
+The same code serves the offline LLM and the HTTP server (engine/async_llm.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from backboard.engine.async_engine import AsyncLLM
+from backboard.engine.async_llm import AsyncLLM
 from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers
 from backboard.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from backboard.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,

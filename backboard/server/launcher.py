@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import uvicorn
 
 from backboard.config import EngineConfig
-from backboard.engine.async_engine import AsyncLLM, EngineDeadError, EngineStartError
+from backboard.engine.async_llm import AsyncLLM
+from backboard.engine.request_stream import EngineDeadError, EngineStartError
 from backboard.server.api import ServerState, build_app
 from backboard.server.metrics import ServerMetrics
 
@@ -37,6 +38,7 @@ class ServeOptions:
     access_log: bool = False
     drain_timeout_s: float = 600.0
     cpu_threads: int | None = None
+    engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
 
 
 class _Server(uvicorn.Server):
@@ -106,7 +108,8 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
     names = list(opts.served_names) or [cfg.model.path]
     metrics = ServerMetrics(names[0], cfg.num_spec_tokens)
     engine = AsyncLLM(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
-                      on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads)
+                      on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads,
+                      addresses=opts.engine_address)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
                         api_key=opts.api_key, stream_interval=opts.stream_interval)
     config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level=opts.log_level,
