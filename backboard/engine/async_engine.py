@@ -59,6 +59,8 @@ class EngineStats:
     step_time_s: float = 0.0          # cumulative wall time spent inside EngineCore.step()
     uptime_s: float = 0.0             # since the loop started
     time: float = 0.0                 # time.time() when taken
+    num_generation_tokens: int = 0    # cumulative tokens sampled
+    phase_time_s: dict[str, float] = field(default_factory=dict)  # cumulative, EngineCore.phase_times()
 
 
 @dataclass
@@ -156,7 +158,7 @@ def run_engine_core(cfg: EngineConfig, inp: Connection, out: Connection, log_lev
         pipe.send((START_ERROR, (type(e).__name__, str(e))))
         return
     try:
-        pipe.send((READY, core.describe()))
+        pipe.send((READY, (core.describe(), core.info())))
         EngineCoreProc(core, pipe).run()
     except (EOFError, BrokenPipeError):
         pass                                          # the front end went away
@@ -259,7 +261,8 @@ class EngineCoreProc:
         if key == self.last_stats:
             return None
         self.last_stats, self.last_stats_time = key, now
-        return EngineStats(s, self.core.num_steps, self.step_time_s, now - self.start, now)
+        return EngineStats(s, self.core.num_steps, self.step_time_s, now - self.start, now,
+                           self.core.num_tokens_generated, self.core.phase_times())
 
 
 # =============================================================================================
@@ -404,6 +407,8 @@ class AsyncLLM:
         self.state = "new"               # new -> starting -> ready -> (dead | stopped)
         self.error: str | None = None
         self.description = ""
+        self.info: dict[str, Any] = {}   # the engine's configuration and build (engine_info.py)
+        self.detokenize_time_s = 0.0     # cumulative: OutputProcessor.process on this loop
         self._ready: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: mp.process.BaseProcess | None = None
@@ -551,9 +556,9 @@ class AsyncLLM:
         if kind == STEP:
             self._on_step(payload)
         elif kind == READY:
-            self.state, self.description = "ready", payload
+            self.state, (self.description, self.info) = "ready", payload
             if not self._ready.done():
-                self._ready.set_result(payload)
+                self._ready.set_result(self.description)
         elif kind == START_ERROR:
             self.state, self.error = "dead", payload[1]
             if not self._ready.done():
@@ -625,7 +630,9 @@ class AsyncLLM:
                 if eco.new_token_ids:
                     t.engine_first_token = t.engine_first_token or eco.first_token_time
                     t.first_output = t.first_output or now
+        t0 = time.perf_counter()
         results, to_stop = self.outputs.process(outputs)
+        self.detokenize_time_s += time.perf_counter() - t0
         if to_stop:
             self._send(STOP, to_stop)
         for ro in results:
