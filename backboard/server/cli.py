@@ -34,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--drain-timeout", type=float, default=600.0,
                    help="on SIGTERM, wait at most this many seconds for running requests")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="no page at / (chat playground, dashboard, scorecards) and no /api/ routes")
+    g.add_argument("--scorecard-dir", default=None,
+                   help="results folders the page's scorecard viewer lists (default: "
+                        "benchmarks/results of a source checkout)")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: all cores but one, "
@@ -93,5 +98,6 @@ def run(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        cpu_threads=args.cpu_threads)
+                        cpu_threads=args.cpu_threads, disable_frontend=args.disable_frontend,
+                        scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)
