@@ -7,6 +7,7 @@ import { answerElement, mergeToolCalls, renderAnswer, splitReasoning } from "./r
 
 const STORE = "backboard.chat";
 const SETTINGS = "backboard.chatSettings";
+const FIELDS = ["system", "temperature", "top-p", "max-tokens", "extra"];
 const $ = (id) => document.getElementById(id);
 
 let conversation = [];
@@ -24,7 +25,7 @@ function load(key, fallback) {
 function save() {
   localStorage.setItem(STORE, JSON.stringify(conversation));
   const s = {};
-  for (const id of ["system", "temperature", "top-p", "max-tokens"]) s[id] = $(id).value;
+  for (const id of FIELDS) s[id] = $(id).value;
   s.thinking = $("thinking").checked;
   localStorage.setItem(SETTINGS, JSON.stringify(s));
 }
@@ -35,7 +36,7 @@ export function initChat(info) {
   select.replaceChildren(...info.models.map((m) => new Option(m, m)));
   supportsThinking = info.thinking;
   const s = load(SETTINGS, {});
-  for (const id of ["system", "temperature", "top-p", "max-tokens"]) if (s[id] !== undefined) $(id).value = s[id];
+  for (const id of FIELDS) if (s[id] !== undefined) $(id).value = s[id];
   $("thinking").checked = supportsThinking && !!s.thinking;
   $("thinking").disabled = !supportsThinking;
   $("thinking-note").textContent = supportsThinking ? "" : "(this model's chat template has no thinking switch)";
@@ -48,7 +49,7 @@ export function initChat(info) {
   });
   $("stop").addEventListener("click", () => controller?.abort());
   $("clear").addEventListener("click", () => { conversation = []; save(); renderConversation(); });
-  for (const id of ["system", "temperature", "top-p", "max-tokens", "thinking"]) $(id).addEventListener("change", save);
+  for (const id of [...FIELDS, "thinking"]) $(id).addEventListener("change", save);
 }
 
 function thinkingOn() {
@@ -97,7 +98,21 @@ function requestBody() {
     max_tokens: Number($("max-tokens").value),
   };
   if (supportsThinking) body.chat_template_kwargs = { enable_thinking: thinkingOn() };
-  return body;
+  return { ...body, ...extraFields() };
+}
+
+// the "more request fields" box: a JSON object merged into the request (throws when it is not one)
+function extraFields() {
+  const text = $("extra").value.trim();
+  if (!text) return {};
+  let v;
+  try {
+    v = JSON.parse(text);
+  } catch (e) {
+    throw new Error(`More request fields: not JSON (${e.message})`);
+  }
+  if (typeof v !== "object" || v === null || Array.isArray(v)) throw new Error("More request fields: expected a JSON object");
+  return v;
 }
 
 function setBusy(busy) {
@@ -108,12 +123,19 @@ function setBusy(busy) {
 async function send() {
   const text = $("prompt").value.trim();
   if (!text || controller) return;
-  $("prompt").value = "";
   $("chat-error").hidden = true;
-  const user = { role: "user", content: text };
-  conversation.push(user);
-  addMessage(user);
-  const body = requestBody();
+  let body;
+  try {
+    conversation.push({ role: "user", content: text });
+    body = requestBody();
+  } catch (e) {
+    conversation.pop();
+    $("chat-error").textContent = e.message;
+    $("chat-error").hidden = false;
+    return;
+  }
+  $("prompt").value = "";
+  addMessage(conversation[conversation.length - 1]);
   const answer = { role: "assistant", content: "", reasoning: "", toolCalls: [], thinking: thinkingOn(), meta: {} };
   const box = addMessage(answer);
   controller = new AbortController();
