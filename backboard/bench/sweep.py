@@ -49,6 +49,7 @@ from importlib import metadata
 import httpx
 
 from backboard.bench.serve import BenchError, ServeConfig, check_base_url, run_serve, write_json
+from backboard.ops.cpu.build import cpu_model
 
 
 class SweepError(RuntimeError):
@@ -231,23 +232,12 @@ def environment_info() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "packages": packages,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": _memory_gib(),
         "gpus": _gpus(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _memory_gib() -> float | None:

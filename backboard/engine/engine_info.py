@@ -35,14 +35,9 @@ def engine_info(core) -> dict[str, Any]:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    from backboard.ops.cpu.build import cpu_model
+
+    return cpu_model()
 
 
 def kernels_in_use(device: str) -> str:

@@ -114,6 +114,9 @@ class ScorecardLibrary:
         d = self.folders().get(name)
         if d is None:
             raise APIError(404, f"no scorecard named {name!r} under {self.root}", "name", "not_found")
+        written = _written_report(d)
+        if written is not None:
+            return written
         stamp = max(os.path.getmtime(p) for p in glob.glob(os.path.join(d, "**", "*"), recursive=True))
         hit = self._cache.get(name)
         if hit is not None and hit[0] == stamp:
@@ -132,6 +135,15 @@ def _has_scorecard(d: str) -> bool:
     """A sweep's results folder (`backboard bench sweep` writes sweep.json at its top) or a
     written scorecard."""
     return any(os.path.isfile(os.path.join(d, f)) for f in ("scorecard.json", "sweep.json"))
+
+
+def _written_report(d: str) -> str | None:
+    """The folder's scorecard.html (`bench scorecard --html`), unless its scorecard.json is newer."""
+    html, sc = os.path.join(d, "scorecard.html"), os.path.join(d, "scorecard.json")
+    if not os.path.isfile(html) or (os.path.isfile(sc) and os.path.getmtime(sc) > os.path.getmtime(html) + 1):
+        return None
+    with open(html, encoding="utf-8") as f:
+        return f.read()
 
 
 def _title(d: str) -> str:

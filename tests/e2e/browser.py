@@ -110,9 +110,10 @@ def screenshot(page, name: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
-    """A launched headless Chromium (session)."""
+    """A launched headless Chromium, for one test module: Playwright's sync API runs an event
+    loop in this thread while it is open, which asyncio.run() elsewhere would trip over."""
     path, how = get_chromium()
     if path is None:
         if os.environ.get("BACKBOARD_REQUIRE_BROWSER") == "1":

@@ -178,6 +178,43 @@ def test_reasoning_folded_json_and_tool_calls_formatted(open_page):
     watched.check()
 
 
+def test_thinking_switch_where_the_template_has_one(chromium, api_server):  # noqa: F811
+    """A template with enable_thinking (the tiny one has none: /api/info is rewritten): the switch
+    is sent, and what comes before </think> is reasoning, folded, while it streams too."""
+    ctx = chromium.new_context(viewport=DESKTOP)
+    ctx.add_init_script(f"localStorage.setItem('backboard.apiKey', {json.dumps(API_KEY)})")
+    page = ctx.new_page()
+    watched = Watched(api_server.url)
+    watched.attach(page)
+    sent = []
+
+    def info(route):
+        body = route.fetch().json()
+        route.fulfill(json={**body, "thinking": True})
+
+    def chat(route):
+        sent.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"},
+                      body=_sse(_delta(content="Paris is"), _delta(content=" in France.</think>Paris.")))
+
+    page.route("**/api/info", info)
+    page.route("**/v1/chat/completions", chat)
+    try:
+        page.goto(api_server.url + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.is_enabled("#thinking")
+        page.check("#thinking")
+        page.fill("#prompt", "Where is Paris?")
+        page.press("#prompt", "Enter")
+        page.wait_for_selector(f"{ANSWER} .stats[data-finish]")
+        assert sent[0]["chat_template_kwargs"] == {"enable_thinking": True}
+        assert page.locator(f"{ANSWER} details.reasoning pre").text_content() == "Paris is in France."
+        assert page.locator(f"{ANSWER} .content").text_content() == "Paris."
+        watched.check()
+    finally:
+        ctx.close()
+
+
 class Load:
     """Closed-loop streaming completions on a few threads until stopped."""
 
@@ -228,10 +265,10 @@ def test_dashboard_plots_move_under_load(open_page, api_server, view):
                                ".dataset.latest || '{}').generation > 0", timeout=30_000)
         shots = {c: _pixels(page, c) for c in ("requests", "throughput", "phases")}
         points = int(page.get_attribute("[data-chart=requests] canvas", "data-points"))
-        page.wait_for_timeout(2500)
+        page.wait_for_function("(n) => Number(document.querySelector('[data-chart=requests] canvas')"
+                               ".dataset.points) > n + 1", arg=points)       # two more samples drawn
         for c, before in shots.items():
             assert _pixels(page, c) != before, c
-        assert int(page.get_attribute("[data-chart=requests] canvas", "data-points")) > points
         assert _latest(page, "phases")["forward"] > 0 and _latest(page, "cache")["kv"] > 0
         screenshot(page, f"dashboard-load-{view}")
     assert load.done > 0
@@ -251,6 +288,7 @@ def test_tabs_fit_and_scorecards_show(open_page, api_server, view):
         _fits(page)
     listing = httpx.get(api_server.url + "/api/scorecards", headers=api_server.headers).json()
     page.click("#tabs a[data-tab=scorecards]")
+    page.wait_for_selector("#scorecard-list[data-loaded='1']", state="attached")
     assert page.locator("#scorecard-list li").count() == len(listing["scorecards"])
     if not listing["scorecards"]:
         pytest.skip("no scorecard folder (not a source checkout)")

@@ -175,6 +175,12 @@ def test_scorecard_viewer_lists_and_renders_folders(results, tmp_path):  # noqa:
     assert r.status_code == 200 and "backboard vs vllm: 4/26 wins" in r.text and "data:image/png;base64," in r.text
     for bad in ("nope", "../kept-2026", "kept-2026/../../etc"):
         assert client.get(f"/api/scorecards/{bad}").status_code == 404, bad
+    # a report written by `bench scorecard --html` is served as it is, unless the scorecard is newer
+    (kept / "scorecard.html").write_text("<p>as written</p>")
+    assert client.get("/api/scorecards/kept-2026").text == "<p>as written</p>"
+    later = os.path.getmtime(kept / "scorecard.html") + 10
+    os.utime(kept / "scorecard.json", (later, later))
+    assert "4/26 wins" in client.get("/api/scorecards/kept-2026").text
 
 
 def test_committed_results_are_the_default_library():

@@ -17,6 +17,7 @@ export async function showScorecards() {
     ? `${scorecards.length} scorecard(s) under ${root} (backboard serve --scorecard-dir DIR to choose another folder)`
     : "No scorecard folder: start the server with --scorecard-dir DIR.";
   $("scorecard-list").replaceChildren(...scorecards.map(listItem));
+  $("scorecard-list").dataset.loaded = "1";
 }
 
 function listItem(sc) {
