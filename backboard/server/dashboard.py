@@ -87,10 +87,9 @@ class DashboardStats:
 
     def update_engine(self, st: EngineStats) -> None:
         detok = float(getattr(self.engine, "detokenize_time_s", 0.0))
-        if self._last is not None and st.time > self._last.time:
-            self.samples.append(self._sample(self._last, st, detok - self._last_detok))
-        elif self._last is None:
-            self.samples.append(self._sample(None, st, 0.0))
+        prev = self._last
+        if prev is None or st.time > prev.time:
+            self.samples.append(self._sample(prev, st, detok - self._last_detok))
         self._last, self._last_detok = st, detok
         self._prune(st.time)
 
@@ -118,18 +117,21 @@ class DashboardStats:
         return {"window_s": self.latency_window_s, "num_requests": len(recent),
                 "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot)}
 
+    def engine_state(self) -> dict[str, Any]:
+        """The engine's state, its start-up line and its configuration and build."""
+        eng = self.engine
+        return {"state": getattr(eng, "state", "unknown"), "error": getattr(eng, "error", None),
+                "description": getattr(eng, "description", ""),
+                "config": dict(getattr(eng, "info", None) or {}),
+                "num_unfinished": getattr(eng, "num_unfinished", 0)}
+
     def snapshot(self, since: float | None = None) -> dict[str, Any]:
         """The JSON body of /api/dashboard: the samples newer than `since` (all kept when None),
         the latest values, latencies now, and the engine's configuration."""
         now = time.time()
         self._prune(now)
-        eng = self.engine
         samples = [x for x in self.samples if since is None or x["t"] > since]
-        return {"time": now, "history_s": self.history_s,
-                "engine": {"state": getattr(eng, "state", "unknown"), "error": getattr(eng, "error", None),
-                           "description": getattr(eng, "description", ""),
-                           "config": dict(getattr(eng, "info", None) or {}),
-                           "num_unfinished": getattr(eng, "num_unfinished", 0)},
+        return {"time": now, "history_s": self.history_s, "engine": self.engine_state(),
                 "latest": self.samples[-1] if self.samples else None,
                 "latency": self.latencies(now), "num_aborted": self.num_aborted,
                 "samples": samples}
@@ -145,18 +147,23 @@ def rates(prev: EngineStats | None, st: EngineStats, detok_s: float) -> dict[str
     prompt = s.num_prompt_tokens_total - (p.num_prompt_tokens_total if p is not None else 0)
     drafts = s.spec_num_drafts - (p.spec_num_drafts if p is not None else 0)
     accepted = s.spec_num_accepted_tokens - (p.spec_num_accepted_tokens if p is not None else 0)
+    return {"generation_tps": gen / dt if dt > 0 else 0.0,
+            "prompt_tps": prompt / dt if dt > 0 else 0.0,
+            "steps_per_s": steps / dt if dt > 0 else 0.0,
+            "step_ms": 1000 * (st.step_time_s - prev.step_time_s) / steps if steps > 0 else None,
+            "step_phase_ms": phase_ms(prev, st, steps, detok_s),
+            "spec_acceptance_length": 1 + accepted / drafts if drafts > 0 else None}
+
+
+def phase_ms(prev: EngineStats | None, st: EngineStats, steps: int, detok_s: float) -> dict[str, float]:
+    """Milliseconds per step in each phase between two stats messages (zeros without steps)."""
     phases = dict.fromkeys(PHASES, 0.0)
     if steps > 0:
         before = prev.phase_time_s if prev is not None else {}
         for k, v in st.phase_time_s.items():
             phases[k] = 1000 * (v - before.get(k, 0.0)) / steps
         phases["detokenize"] = 1000 * detok_s / steps
-    return {"generation_tps": gen / dt if dt > 0 else 0.0,
-            "prompt_tps": prompt / dt if dt > 0 else 0.0,
-            "steps_per_s": steps / dt if dt > 0 else 0.0,
-            "step_ms": 1000 * (st.step_time_s - prev.step_time_s) / steps if steps > 0 else None,
-            "step_phase_ms": phases,
-            "spec_acceptance_length": 1 + accepted / drafts if drafts > 0 else None}
+    return phases
 
 
 def prefix_hit_rate(prev: EngineStats | None, st: EngineStats) -> float | None:

@@ -84,7 +84,7 @@ def page_info(state, dash: DashboardStats) -> dict[str, Any]:
     return {"version": __version__, "models": list(state.served_names), "model_path": state.model_path,
             "max_model_len": state.max_model_len, "chat_template": bool(template),
             "thinking": "enable_thinking" in template,
-            "engine": dash.snapshot(since=float("inf"))["engine"]}
+            "engine": dash.engine_state()}
 
 
 class ScorecardLibrary:

@@ -269,6 +269,10 @@ def test_dashboard_plots_move_under_load(open_page, api_server, view):
                                ".dataset.points) > n + 1", arg=points)       # two more samples drawn
         for c, before in shots.items():
             assert _pixels(page, c) != before, c
+        # (a closed loop has instants with nothing running: wait for a busy sample)
+        page.wait_for_function("() => ['phases', 'cache'].every((c) => Object.values(JSON.parse("
+                               "document.querySelector(`[data-chart=${c}] canvas`).dataset.latest || '{}'))"
+                               ".some((v) => v > 0))")
         assert _latest(page, "phases")["forward"] > 0 and _latest(page, "cache")["kv"] > 0
         screenshot(page, f"dashboard-load-{view}")
     assert load.done > 0
@@ -284,7 +288,9 @@ def test_tabs_fit_and_scorecards_show(open_page, api_server, view):
     for tab in ("dashboard", "scorecards", "chat"):
         page.click(f"#tabs a[data-tab={tab}]")
         page.wait_for_selector(f"body[data-tab={tab}]")
-        assert page.is_visible(f"#tab-{tab}")
+        shown = page.evaluate("() => [...document.querySelectorAll('section.tab')].filter((s) => !s.hidden)"
+                              ".map((s) => s.id)")
+        assert shown == [f"tab-{tab}"]
         _fits(page)
     listing = httpx.get(api_server.url + "/api/scorecards", headers=api_server.headers).json()
     page.click("#tabs a[data-tab=scorecards]")
