@@ -68,6 +68,7 @@ class ModelRunnerOutput:
     accepted_per_position: list[int] | None = None  # over all requests: accepted at draft pos i
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    forward_time_s: float = 0.0                   # model forward + LM head (worker/step_timing.py)
 
 
 @dataclass(slots=True)
@@ -99,3 +100,4 @@ class SchedulerStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_draft_time_s: float = 0.0
     spec_verify_time_s: float = 0.0
+    num_prompt_tokens_total: int = 0              # prompts prefilled (counted at their first token)

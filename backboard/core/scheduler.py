@@ -84,6 +84,7 @@ class Scheduler:
         self._runner_knows: set[str] = set()
         self._finished_for_runner: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0
         self.spec_stats = SchedulerStats()
 
     # ---- requests in and out --------------------------------------------------------------
@@ -267,6 +268,7 @@ class Scheduler:
                     break
             if new_tokens and req.first_token_time is None:
                 req.first_token_time = now
+                self.num_prompt_tokens_total += req.num_prompt_tokens
             if ro.spec_token_ids is not None and not req.is_finished:
                 req.spec_token_ids = ro.spec_token_ids[i]
             else:
@@ -319,7 +321,8 @@ class Scheduler:
             spec_num_drafts=s.spec_num_drafts, spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_position=list(s.spec_accepted_per_position),
-            spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s)
+            spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s,
+            num_prompt_tokens_total=self.num_prompt_tokens_total)
 
     def check_integrity(self) -> None:
         """Every block and slot is free or held by exactly one running request."""

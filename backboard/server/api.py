@@ -34,6 +34,8 @@ class ServerState:
     api_key: str | None = None
     stream_interval: int = 1
     draining: bool = False
+    frontend: bool = False                 # the page at / and its /api/ routes (server/frontend.py)
+    scorecard_dir: str | None = None       # results folders the page's scorecard viewer lists
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -149,6 +151,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
+    if state.frontend:
+        from backboard.server.frontend import install_frontend
+
+        install_frontend(app, state, authorized)
     return app
 
 

@@ -20,6 +20,7 @@ from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import InputBatch, StepInputs, build_step, group_order
 from backboard.worker.memory import allocate_caches, plan_cache, profile_activation_bytes
+from backboard.worker.step_timing import ForwardTimer
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ModelRunner:
         if proposer is not None:
             proposer.attach(self)
         self.graphs = self._capture_graphs(max_blocks) if use_graphs else None
+        self.forward_timer = ForwardTimer(self.device)
 
     def _capture_graphs(self, max_blocks: int):
         from backboard.worker.cuda_graph import CudaGraphRunner
@@ -141,16 +143,19 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         plan = self._prepare_inputs(so)
         t0 = time.perf_counter()
+        self.forward_timer.start()
         hidden = self._forward(plan.inputs)
         rows = plan.logit_rows
         # a decode step needs every row: no gather
         h = hidden if len(rows) == hidden.shape[0] else hidden[torch.from_numpy(rows).to(self.device)]
         logits = self.model.compute_logits(h)
+        self.forward_timer.stop()
         sampled, lps, accepted = self._sample(plan, logits)
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, sampled, lps, accepted, prompt_lps)
         step_s = time.perf_counter() - t0
         out.verify_time_s = step_s if plan.has_spec else 0.0
+        out.forward_time_s = self.forward_timer.collect()
         if self.proposer is not None:
             t1 = time.perf_counter()
             out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted,
