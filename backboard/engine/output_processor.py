@@ -167,7 +167,8 @@ class ParentRequest:
         if len(self.children) == 1:
             return self.params
         seed = None if self.params.seed is None else self.params.seed + i
-        return self.params.clone(n=1, seed=seed)
+        # the children share the prompt: only child 0 computes its logprobs
+        return self.params.clone(n=1, seed=seed, prompt_logprobs=None if i else self.params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:

@@ -137,6 +137,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_reqs, max_model_len + 16), dtype=np.int64)
         self.num_tokens = np.zeros(max_reqs, dtype=np.int64)      # known tokens (no drafts)
         self.num_prompt = np.zeros(max_reqs, dtype=np.int64)
+        # first position whose prompt logprob is still owed (earlier ones were emitted before a
+        # preemption): positions p >= it emit the logprob of prompt token p + 1
+        self.prompt_logprobs_from = np.zeros(max_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
         self.state_slots = np.zeros((max_reqs, slots_per_req), dtype=np.int64)
@@ -145,7 +148,7 @@ class InputBatch:
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt: int, block_ids: list[int],
-            state_slots: list[int]) -> int:
+            state_slots: list[int], prompt_logprobs_from: int = 0) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"{req_id} is already in the batch")
         if not self._free_rows:
@@ -155,6 +158,7 @@ class InputBatch:
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row], self.num_prompt[row] = n, num_prompt
+        self.prompt_logprobs_from[row] = prompt_logprobs_from
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
         if state_slots:

@@ -170,7 +170,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove(rid)
         for nr in so.new_reqs:
-            row = b.add(nr.req_id, nr.token_ids, nr.num_prompt_tokens, nr.block_ids, nr.state_slots)
+            row = b.add(nr.req_id, nr.token_ids, nr.num_prompt_tokens, nr.block_ids, nr.state_slots,
+                        nr.num_prompt_logprobs_emitted)
             self.params.set(row, nr.sampling_params, nr.eos_token_ids)
         cr = so.cached_reqs
         for rid, blocks in zip(cr.req_ids, cr.new_block_ids):
@@ -306,7 +307,8 @@ class ModelRunner:
         return sampled, lps, accepted
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, list]:
-        """For requests with prompt_logprobs: logprobs of prompt tokens 1.. computed this step."""
+        """For requests with prompt_logprobs: logprobs of the prompt tokens this step's positions
+        predict, each prompt position once (positions emitted before a preemption are skipped)."""
         b, a = self.batch, self.params.a
         out: dict[str, list] = {}
         if plan.inputs.meta.prefill_start == len(plan.rows) and not plan.has_spec and plan.samples.all():
@@ -315,12 +317,12 @@ class ModelRunner:
         qsl = plan.inputs.query_start_loc
         for i in want:
             row, nc, q = plan.rows[i], plan.num_computed[i], plan.q_lens[i]
-            npr = int(b.num_prompt[row])
-            last = min(nc + q, npr - 1)          # positions nc .. last-1 predict prompt tokens
-            if last <= nc:
+            first = max(nc, int(b.prompt_logprobs_from[row]))
+            last = min(nc + q, int(b.num_prompt[row]) - 1)   # positions first .. last-1 predict prompt tokens
+            if last <= first:
                 continue
-            h = hidden[qsl[i]:qsl[i] + (last - nc)]
-            nxt = torch.from_numpy(b.token_ids[row, nc + 1:last + 1]).to(self.device)
+            h = hidden[qsl[i] + (first - nc):qsl[i] + (last - nc)]
+            nxt = torch.from_numpy(b.token_ids[row, first + 1:last + 1]).to(self.device)
             n = int(a["prompt_logprobs"][row])
             out[plan.req_ids[i]] = compute_logprobs(self.model.compute_logits(h), nxt, [n] * len(nxt))
         return out
