@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "serve": "backboard.server.cli",
     "generate": "backboard.engine.cli",
     "bench": "backboard.bench.cli",
-    "draft": "backboard.spec.cli",
+    "draft": "backboard.spec_decode.cli",
     "tiny-model": "backboard.models.cli",
 }
 

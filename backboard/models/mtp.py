@@ -5,7 +5,7 @@ main model's final-normed hidden state), x = decoder_layer(x) at RoPE position i
 own KV cache, h' = norm(x); lm_head(h') predicts t_{i+2}. For k > 1 drafts the layer is reused
 with h' as the next h. The embedding and LM head are the main model's (not parameters here).
 
-The same structure with 4-bit weights is our own draft head (spec/draft_head.py)."""
+The same structure with 4-bit weights is our own draft head (spec_decode/draft_head.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SchedulerOutput -> flat batch -> forward -> sampler -> ModelRunnerOutput.
 
-The common path only: speculative decoding (spec/), GDN state slots (the metadata here, the math
+The common path only: speculative decoding (spec_decode/), GDN state slots (the metadata here, the math
 in layers/) and CUDA graphs (worker/cuda_graph.py) live in their own modules."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from backboard.config import EngineConfig
-from backboard.spec.proposer import Proposer
+from backboard.spec_decode.proposer import Proposer
 
 
 def ngram_lookup(seq: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

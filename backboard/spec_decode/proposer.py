@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from backboard.config import EngineConfig
-from backboard.spec.adaptive import AdaptiveK
+from backboard.spec_decode.adaptive import AdaptiveK
 
 
 class Proposer:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
-from backboard.spec.proposer import Proposer
+from backboard.spec_decode.proposer import Proposer
 from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import build_step
 
@@ -40,7 +40,7 @@ class MTPProposer(Proposer):
             self.head = load_mtp_head(mc, runner.dtype, attn_idx, dev)
             self.lm_head = runner.model.compute_logits
         else:
-            from backboard.spec.draft_head import load_draft_head
+            from backboard.spec_decode.draft_head import load_draft_head
 
             self.head, lm = load_draft_head(self.cfg.spec.draft_model, mc, runner.model, attn_idx, dev,
                                             int8_lm_head=self.cfg.spec.int8_lm_head)

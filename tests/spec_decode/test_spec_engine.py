@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backboard import LLM, SamplingParams
-from backboard.spec.proposer import Proposer
+from backboard.spec_decode.proposer import Proposer
 from tests.models.test_engine import _requests, _run_staggered
 
 
