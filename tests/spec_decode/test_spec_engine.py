@@ -21,7 +21,7 @@ class OracleProposer(Proposer):
         self.expected, self.rng = expected, np.random.default_rng(seed)
 
     def draft(self, plan, hidden, k, who):
-        b = self.runner.batch
+        b = self.ctx.batch
         out = []
         for i in who:
             row = plan.rows[i]
@@ -44,8 +44,7 @@ def _llm_with_oracle(path, prompts, outs, k, **kw):
     llm = LLM(path, max_num_seqs=16, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False}, **kw)
     oracle = OracleProposer(llm.config, {tuple(p): o for p, o in zip(prompts, outs)})
-    oracle.attach(llm.engine.runner)
-    llm.engine.runner.proposer = oracle
+    llm.engine.runner.use_proposer(oracle)
     return llm
 
 
