@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from backboard.ops.sampling import exponential_race, seeded_noise
-from backboard.sample.metadata import SpecDecodeMetadata
-from backboard.sample.sampler import Sampler, SamplingMetadata, process_logits, target_probs
+from backboard.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from backboard.sample.sampler import Sampler, process_logits, target_probs
 
 _ACCEPT_STREAM = 1 << 40   # offset of the acceptance stream of seeded rows
 

@@ -1,7 +1,9 @@
-"""SchedulerOutput -> flat batch -> forward -> sampler -> ModelRunnerOutput.
+"""The model runner: SchedulerOutput -> flat batch -> forward -> sampler -> ModelRunnerOutput.
 
-The common path only: speculative decoding (spec_decode/), GDN state slots (the metadata here, the math
-in layers/) and CUDA graphs (worker/cuda_graph.py) live in their own modules."""
+Each step reads as its phases: prepare (worker/step.py builds the StepPlan), forward (eager or a
+CUDA graph, worker/cuda_graph.py), sample (sample/: metadata, sampler, rejection sampling), commit
+(the new tokens into the InputBatch, verify slots via spec_decode/verify.py); then the proposer
+(spec_decode/) drafts for the next step. GDN state slots: the metadata here, the math in layers/."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import torch
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.models.loader import load_model, torch_dtype
-from backboard.sample.metadata import SpecDecodeMetadata
+from backboard.sample.metadata import SamplingParamsTable, SpecDecodeMetadata, build_sampling_metadata
 from backboard.sample.rejection import verify_drafts
-from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
+from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.spec_decode.verify import acceptance_counts, commit_accepted_slots
 from backboard.worker.forward_context import set_forward_context
@@ -27,62 +29,18 @@ from backboard.worker.step import SampleResult, StepPlan, prepare_step
 logger = logging.getLogger(__name__)
 
 
-class SamplingParamsTable:
-    """Per-row sampling parameters as arrays, so a step gathers them with one fancy index."""
-
-    FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency",
-              "seed", "logprobs", "prompt_logprobs", "min_tokens", "max_tokens")
-
-    def __init__(self, max_reqs: int) -> None:
-        self.a = {f: np.zeros(max_reqs, dtype=np.float64) for f in self.FIELDS}
-        self.eos: list[list[int]] = [[] for _ in range(max_reqs)]
-        # rows that need nothing but an argmax (greedy; no penalties, min_tokens or logprobs)
-        self.plain_greedy = np.zeros(max_reqs, dtype=bool)
-
-    def set(self, row: int, sp, eos_token_ids) -> None:
-        a = self.a
-        a["temperature"][row] = sp.temperature
-        a["top_k"][row] = sp.top_k
-        a["top_p"][row] = sp.top_p
-        a["min_p"][row] = sp.min_p
-        a["repetition"][row] = sp.repetition_penalty
-        a["presence"][row] = sp.presence_penalty
-        a["frequency"][row] = sp.frequency_penalty
-        a["seed"][row] = -1 if sp.seed is None else sp.seed
-        a["logprobs"][row] = -1 if sp.logprobs is None else sp.logprobs
-        a["prompt_logprobs"][row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
-        a["min_tokens"][row] = sp.min_tokens
-        a["max_tokens"][row] = sp.max_tokens if sp.max_tokens is not None else 1 << 40
-        self.eos[row] = sorted(set(eos_token_ids) | set(sp.stop_token_ids or ()))
-        self.plain_greedy[row] = (sp.greedy and not sp.needs_penalties and sp.min_tokens == 0
-                                  and sp.logprobs is None)
-
-
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, proposer=None) -> None:
+    def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None) -> None:
         self.cfg = cfg
-        mc = cfg.model
+        mc, sc, k = cfg.model, cfg.scheduler, cfg.num_spec_tokens
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(mc.dtype)
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
-        extra = proposer.num_extra_attn_layers if proposer is not None else 0
-        act = None
-        if self.device.type == "cuda" and cfg.cache.num_kv_blocks is None:
-            try:
-                act = profile_activation_bytes(self.model, cfg, self.dtype, self.device)
-            except Exception as e:  # noqa: BLE001 - fall back to the estimate, say so
-                logger.warning("profiling pass failed (%s: %s); sizing the cache from an estimate",
-                               type(e).__name__, e)
-        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra, act)
         self.block_size = cfg.cache.block_size
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
-        # with graphs, one more block (never handed out) takes the padding rows' KV writes
-        self.caches = allocate_caches(mc, self.num_blocks + int(use_graphs), self.block_size,
-                                      self.num_slots, self.dtype, self.device, extra_attn_layers=extra)
-        sc = cfg.scheduler
-        k = cfg.num_spec_tokens
+        self._allocate_caches(proposer.num_extra_attn_layers if proposer is not None else 0, use_graphs)
         # + 2k: verify rows and the proposer's lookahead KV writes (see Scheduler.lookahead)
         max_blocks = -(-(sc.max_model_len + 2 * k + 1) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
@@ -93,6 +51,21 @@ class ModelRunner:
         if proposer is not None:
             self.use_proposer(proposer)
         self.graphs = self._capture_graphs(max_blocks) if use_graphs else None
+
+    def _allocate_caches(self, extra_attn_layers: int, use_graphs: bool) -> None:
+        """Size the KV cache and the state slots (from a profiling pass on CUDA) and allocate them."""
+        cfg = self.cfg
+        act = None
+        if self.device.type == "cuda" and cfg.cache.num_kv_blocks is None:
+            try:
+                act = profile_activation_bytes(self.model, cfg, self.dtype, self.device)
+            except Exception as e:  # noqa: BLE001 - fall back to the estimate, say so
+                logger.warning("profiling pass failed (%s: %s); sizing the cache from an estimate",
+                               type(e).__name__, e)
+        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra_attn_layers, act)
+        # with graphs, one more block (never handed out) takes the padding rows' KV writes
+        self.caches = allocate_caches(cfg.model, self.num_blocks + int(use_graphs), self.block_size,
+                                      self.num_slots, self.dtype, self.device, extra_attn_layers=extra_attn_layers)
 
     def use_proposer(self, proposer: Proposer) -> None:
         """Drafts for the next step come from `proposer` (its extra attention layers must have
@@ -164,49 +137,6 @@ class ModelRunner:
     def _prepare(self, so: SchedulerOutput) -> StepPlan:
         return prepare_step(so, self.batch, self.block_size, self.device)
 
-    def _sampling_metadata(self, plan: StepPlan) -> tuple[SamplingMetadata, np.ndarray]:
-        """Metadata for every logit row; also the row -> request index map."""
-        req_of, choose_pos = plan.logit_row_index()
-        brow = plan.rows[req_of]
-        a = self.params.a
-        dev = self.device
-        temp = a["temperature"][brow]
-        md = SamplingMetadata(temperature=torch.tensor(temp, dtype=torch.float32, device=dev),
-                              all_greedy=bool(np.all(temp < 1e-5)))
-        if not md.all_greedy:
-            if np.any(a["top_k"][brow] > 0):
-                md.top_k = torch.tensor(a["top_k"][brow], dtype=torch.int64, device=dev)
-            if np.any(a["top_p"][brow] < 1.0):
-                md.top_p = torch.tensor(a["top_p"][brow], dtype=torch.float32, device=dev)
-            if np.any(a["min_p"][brow] > 0.0):
-                md.min_p = torch.tensor(a["min_p"][brow], dtype=torch.float32, device=dev)
-            seeded = np.nonzero((a["seed"][brow] >= 0) & (temp >= 1e-5))[0]
-            md.seeds = [(int(i), int(a["seed"][brow[i]]), int(choose_pos[i])) for i in seeded]
-        if np.any((a["repetition"][brow] != 1) | (a["presence"][brow] != 0) | (a["frequency"][brow] != 0)):
-            self._penalty_metadata(md, brow, choose_pos)
-        n_out = choose_pos - self.batch.num_prompt[brow]      # outputs before this token
-        need_min = np.nonzero(n_out < a["min_tokens"][brow])[0]
-        if len(need_min):
-            md.min_tokens_mask = [(int(i), self.params.eos[brow[i]]) for i in need_min
-                                  if self.params.eos[brow[i]]]
-        md.num_logprobs = a["logprobs"][brow].astype(np.int64).tolist()
-        return md, req_of
-
-    def _penalty_metadata(self, md: SamplingMetadata, brow: np.ndarray, choose_pos: np.ndarray) -> None:
-        b, a, V, dev = self.batch, self.params.a, self.vocab_size, self.device
-        R = len(brow)
-        prompt_mask = torch.zeros(R, V, dtype=torch.bool)
-        counts = torch.zeros(R, V, dtype=torch.float32)
-        for i in range(R):   # one row per request with penalties: not per token
-            r, npr, end = brow[i], b.num_prompt[brow[i]], choose_pos[i]
-            prompt_mask[i, torch.from_numpy(b.token_ids[r, :npr])] = True
-            out = torch.from_numpy(b.token_ids[r, npr:end])
-            counts[i].index_add_(0, out, torch.ones(len(out)))
-        md.prompt_mask, md.output_counts = prompt_mask.to(dev), counts.to(dev)
-        md.repetition = torch.tensor(a["repetition"][brow], dtype=torch.float32, device=dev)
-        md.presence = torch.tensor(a["presence"][brow], dtype=torch.float32, device=dev)
-        md.frequency = torch.tensor(a["frequency"][brow], dtype=torch.float32, device=dev)
-
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> fp32 logits [R, V] of the plan's logit rows."""
         rows = plan.logit_rows
@@ -226,7 +156,9 @@ class ModelRunner:
             for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), logits.argmax(-1).tolist()):
                 result.token_ids[i] = [t]
             return result
-        md, req_of = self._sampling_metadata(plan)
+        req_of, choose_pos = plan.logit_row_index()
+        md = build_sampling_metadata(self.params, plan.rows[req_of], choose_pos, self.batch, self.vocab_size,
+                                     self.device)
         if plan.has_spec:
             spec = SpecDecodeMetadata(plan.drafts, plan.logit_start, req_of)
             tokens, result.num_accepted = verify_drafts(logits, md, spec, self.sampler)
@@ -236,22 +168,9 @@ class ModelRunner:
         for i, toks in tokens.items():
             result.token_ids[i] = toks
         if any(n >= 0 for n in md.num_logprobs):
-            self._sampled_logprobs(result, plan.logit_start, logits, tokens, md.num_logprobs)
+            for i, lps in sampled_logprobs(logits, tokens, plan.logit_start, md.num_logprobs).items():
+                result.logprobs[i] = lps
         return result
-
-    @staticmethod
-    def _sampled_logprobs(result: SampleResult, logit_start: np.ndarray, logits: torch.Tensor,
-                          tokens: dict[int, list[int]], num_logprobs: list[int]) -> None:
-        """Logprobs of each request's tokens, from its logit rows (logits [R, V])."""
-        chosen = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for i, toks in tokens.items():
-            s = logit_start[i]
-            chosen[s:s + len(toks)] = torch.tensor(toks)
-        all_lps = compute_logprobs(logits, chosen, num_logprobs)
-        for i, toks in tokens.items():
-            s = logit_start[i]
-            if all_lps[s] is not None:
-                result.logprobs[i] = all_lps[s:s + len(toks)]
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, list]:
         """For requests with prompt_logprobs: logprobs of the prompt tokens this step's positions
