@@ -80,7 +80,7 @@ from backboard.ops import quant  # noqa: E402
 from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv  # noqa: E402
 from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref  # noqa: E402
 from backboard.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
-from backboard.worker.forward_context import get_forward_context, set_forward_context  # noqa: E402
+from backboard.forward_context import get_forward_context, set_forward_context  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 

@@ -17,8 +17,9 @@ from torch import nn
 from backboard.config import ModelConfig
 from backboard.layers.linear import Linear
 from backboard.layers.norm import RMSNorm
-from backboard.models.loader import Checkpoint, WeightSpec, load_weights
+from backboard.models.loader import Checkpoint, load_weights
 from backboard.models.qwen3_5 import DecoderLayer, layer_weight_specs
+from backboard.models.weights import WeightSpec
 
 
 class MTPHead(nn.Module):

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
+from backboard.forward_context import set_forward_context
 from backboard.spec_decode.proposer import Proposer, ProposerContext
-from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 

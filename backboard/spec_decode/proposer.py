@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
+from backboard.forward_context import ModelCaches
 from backboard.spec_decode.adaptive import AdaptiveK
-from backboard.worker.forward_context import ModelCaches
 from backboard.worker.input_batch import InputBatch
 from backboard.worker.step import SampleResult, StepPlan
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backboard.worker.attn_metadata import ForwardMeta, UniformGroup
+from backboard.forward_context import ForwardMeta, UniformGroup
 
 
 def group_order(q_lens: np.ndarray, is_spec: np.ndarray) -> np.ndarray:

@@ -15,13 +15,13 @@ import torch
 
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
+from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
 from backboard.sample.metadata import SamplingParamsTable, SpecDecodeMetadata, build_sampling_metadata
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.spec_decode.verify import acceptance_counts, commit_accepted_slots
-from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import InputBatch, StepInputs
 from backboard.worker.memory import allocate_caches, plan_cache, profile_activation_bytes
 from backboard.worker.step import SampleResult, StepPlan, prepare_step

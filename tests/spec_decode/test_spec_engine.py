@@ -100,7 +100,7 @@ def test_gdn_state_after_accepting_j_of_k(hybrid_model):
     """Verification writes the state after each draft position into its own slot: the slot of
     position j holds exactly the state of running the accepted tokens alone."""
     from tests.models.driver import FlatBatchDriver
-    from backboard.worker.forward_context import set_forward_context
+    from backboard.forward_context import set_forward_context
     from backboard.worker.input_batch import BatchRequest, prepare_batch
 
     rng = np.random.default_rng(0)
