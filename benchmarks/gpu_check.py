@@ -77,9 +77,8 @@ from backboard.layers.rotary import RotaryEmbedding  # noqa: E402
 from backboard.models.qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 from backboard.ops import dispatch as D  # noqa: E402
 from backboard.ops import quant  # noqa: E402
-from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv  # noqa: E402
-from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref  # noqa: E402
-from backboard.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
+from backboard.ops.attention import paged_attention_prefill, paged_attention_decode_ref, write_kv  # noqa: E402
+from backboard.ops.norm import gated_rms_norm_ref, rms_norm_ref  # noqa: E402
 from backboard.forward_context import get_forward_context, set_forward_context  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
@@ -442,7 +441,7 @@ def kernel_checks(plan: Plan, calib: dict) -> list[dict]:
         nbytes = int(seq.sum()) * nkv * hd * it * 2 + 2 * q.numel() * it
         run_case(out, plan, calib, f"paged_attention B={B} L={L} ctx<={ctx}",
                  lambda q=q, seq=seq, L=L: (q, kc, vc, bt, seq, ctx + L, hd ** -0.5),
-                 paged_attention_uniform, _triton(D.paged_attention_decode), [("out", tol)], nbytes)
+                 paged_attention_decode_ref, _triton(D.paged_attention_decode), [("out", tol)], nbytes)
 
     # -- norms, SiLU-mul --
     T, H = c["T"], d["hidden"]

@@ -157,7 +157,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.d
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Same contract as ops.attention.paged_attention_uniform.
+    """Same contract as ops.attention.paged_attention_decode_ref.
 
     q: [B, L, nh, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, nkv, D]
     (same strides, last dim contiguous); block_table: [B, >= cdiv(max_seq_len, block_size)]

@@ -24,7 +24,7 @@ destination may equal the source (plain decode: dst_slots = src_slots). Differen
 not share slots (one request's destination being another's source would race).
 
 Rounding follows the torch composition (backboard.ops.gdn.decode.gdn_decode_ref): conv output and
-core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm.
+core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm_ref.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _gdn_decode_recurrent_kernel(
         o = o.to(out_ptr.dtype.element_ty)                     # the core, rounded as the layer does
         if FUSE_NORM:
             # gated norm over the whole head (BV >= DV): rmsnorm(o) * w * silu(z), with the
-            # model-dtype roundings of ops.norm.gated_rms_norm
+            # model-dtype roundings of ops.norm.gated_rms_norm_ref
             of = o.to(tl.float32)
             var = tl.sum(of * of, axis=0) / DV
             y = (of * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
