@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="backboard", description="Backboard LLM inference engine")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, mod in SUBCOMMANDS.items():
+    for mod in SUBCOMMANDS.values():
         try:
             importlib.import_module(mod).register(sub)
         except ModuleNotFoundError as e:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from backboard.sampling_params import SamplingParams
 
-
 FINISH_REASON: dict[int, str] = {}
 
 

@@ -73,13 +73,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from backboard.config import ModelConfig  # noqa: E402
+from backboard.forward_context import get_forward_context, set_forward_context  # noqa: E402
 from backboard.layers.rotary import RotaryEmbedding  # noqa: E402
 from backboard.models.qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 from backboard.ops import dispatch as D  # noqa: E402
 from backboard.ops import quant  # noqa: E402
-from backboard.ops.attention import paged_attention_prefill, paged_attention_decode_ref, write_kv  # noqa: E402
+from backboard.ops.attention import paged_attention_decode_ref, paged_attention_prefill, write_kv  # noqa: E402
 from backboard.ops.norm import gated_rms_norm_ref, rms_norm_ref  # noqa: E402
-from backboard.forward_context import get_forward_context, set_forward_context  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 
@@ -822,7 +822,8 @@ def main(args: argparse.Namespace) -> int:
     results: dict = dict(gpu=name, date=stamp, smoke=plan.smoke, torch=torch.__version__,
                          triton=triton_version, python=platform.python_version(),
                          shapes=plan.dims, dtype=str(plan.dtype).replace("torch.", ""),
-                         notes=["floor_frac = floor / measured time; eager_over_kernels = eager time / kernel-path time",
+                         notes=["floor_frac = floor / measured time; "
+                                "eager_over_kernels = eager time / kernel-path time",
                                 "decode floor: (weights + KV read + GDN states read and written) / copy bandwidth",
                                 "prefill floor: (matmul + attention + chunked-GDN FLOPs) / measured bf16 matmul rate"])
 

@@ -16,8 +16,14 @@ import time
 
 from backboard.config import SchedulerConfig
 from backboard.core.kv_cache_manager import KVCacheManager
-from backboard.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                    NewRequestData, SchedulerOutput, SchedulerStats)
+from backboard.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from backboard.core.state_pool import StatePool
 from backboard.request import FINISH_REASON, Request, RequestStatus
 

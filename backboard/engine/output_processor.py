@@ -240,7 +240,7 @@ class OutputProcessor:
         if parent is None:
             return []
         ids = []
-        for i, c in enumerate(parent.children):
+        for i in range(len(parent.children)):
             cid = parent.child_id(i)
             if self.child_to_parent.pop(cid, None) is not None:
                 ids.append(cid)

@@ -19,8 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
-from backboard.engine.async_engine import (AsyncLLM, ChildDelta, EngineDeadError, RequestRejected,
-                                           RequestStream)
+from backboard.engine.async_engine import AsyncLLM, ChildDelta, EngineDeadError, RequestRejected, RequestStream
 from backboard.engine.output_processor import InputError
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams

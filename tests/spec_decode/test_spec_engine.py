@@ -99,9 +99,9 @@ def test_seeded_sampling_with_speculation_depends_only_on_the_seeds(hybrid_model
 def test_gdn_state_after_accepting_j_of_k(hybrid_model):
     """Verification writes the state after each draft position into its own slot: the slot of
     position j holds exactly the state of running the accepted tokens alone."""
-    from tests.models.driver import FlatBatchDriver
     from backboard.forward_context import set_forward_context
     from backboard.worker.input_batch import BatchRequest, prepare_batch
+    from tests.models.driver import FlatBatchDriver
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 1000, 37).tolist()

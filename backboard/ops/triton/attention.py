@@ -22,8 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          interpreter_dot_f32, next_pow2, num_sms)
+from backboard.ops.triton._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    interpreter_dot_f32,
+    next_pow2,
+    num_sms,
+)
 
 
 @triton.jit

@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          next_pow2)
+from backboard.ops.triton._checks import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, next_pow2
 from backboard.ops.triton.norm import gated_rms_norm
 
 

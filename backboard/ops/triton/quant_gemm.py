@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, check_devices, check_tensor,
-                                          interpreter_dot_f32, next_pow2)
+from backboard.ops.triton._checks import FLOAT_DTYPES, check_devices, check_tensor, interpreter_dot_f32, next_pow2
 
 
 @triton.jit
