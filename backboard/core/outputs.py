@@ -20,6 +20,8 @@ class NewRequestData:
     block_ids: list[int]
     state_slots: list[int]
     num_computed_tokens: int
+    # prompt logprobs already emitted for prompt tokens 1..n (only positions >= n compute them)
+    num_prompt_logprobs_emitted: int = 0
 
 
 @dataclass

@@ -16,8 +16,14 @@ import time
 
 from backboard.config import SchedulerConfig
 from backboard.core.kv_cache_manager import KVCacheManager
-from backboard.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                    NewRequestData, SchedulerOutput, SchedulerStats)
+from backboard.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from backboard.core.state_pool import StatePool
 from backboard.request import FINISH_REASON, Request, RequestStatus
 
@@ -241,7 +247,8 @@ class Scheduler:
                 req_id=rid, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, eos_token_ids=tuple(req.eos_token_ids),
                 block_ids=list(req.block_ids), state_slots=list(req.state_slots),
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens,
+                num_prompt_logprobs_emitted=req.num_prompt_logprobs_emitted))
         num_scheduled[rid] = n
         num_spec = req.num_computed_tokens + n - len(req.all_token_ids)
         if num_spec > 0:
@@ -277,6 +284,8 @@ class Scheduler:
             if lps is not None:
                 lps = lps[:len(new_tokens)]
             plp = ro.prompt_logprobs.get(rid) if ro.prompt_logprobs else None
+            if plp:
+                req.num_prompt_logprobs_emitted += len(plp)
             finished = req.status != running
             if finished:
                 self.running.remove(req)

@@ -33,8 +33,15 @@ from backboard.core.outputs import EngineCoreOutput
 from backboard.engine import messages as M
 from backboard.engine.core_proc import run_engine_core
 from backboard.engine.output_processor import CompletionOutput, RequestOutput
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, EngineStartError,
-                                             RequestDelta, RequestRejected, RequestStream, RequestTimings)
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    EngineStartError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+    RequestTimings,
+)
 from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, bound_address, make_socket
 from backboard.request import EngineCoreRequest
 from backboard.sampling_params import SamplingParams

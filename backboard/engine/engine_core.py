@@ -21,7 +21,7 @@ class EngineCore:
         self.cfg = cfg
         proposer = None
         if cfg.spec is not None:
-            from backboard.spec import build_proposer
+            from backboard.spec_decode import build_proposer
 
             proposer = build_proposer(cfg)
         self.runner = ModelRunner(cfg, proposer)

@@ -18,8 +18,14 @@ from pydantic import ValidationError
 from backboard.engine.async_llm import AsyncLLM
 from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers
 from backboard.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from backboard.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeChatRequest, TokenizeCompletionRequest, model_not_found)
+from backboard.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    model_not_found,
+)
 from backboard.server.serving import GenerationHandler
 
 

@@ -20,9 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, RequestDelta, RequestRejected,
-                                             RequestStream)
 from backboard.engine.output_processor import InputError
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+)
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
 from backboard.server import responses as R

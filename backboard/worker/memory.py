@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from backboard.config import ModelConfig
-from backboard.worker.forward_context import ModelCaches
+from backboard.forward_context import ModelCaches
 
 GiB = 1 << 30
 
@@ -52,7 +52,7 @@ def profile_activation_bytes(model: torch.nn.Module, cfg, dtype: torch.dtype, de
     """The profiling pass (CUDA): peak memory of one forward of max_num_batched_tokens dummy tokens
     (as prefills of at most max_model_len tokens) plus the LM head over the largest row count,
     above what is allocated before it, not counting the scratch caches it needs."""
-    from backboard.worker.forward_context import set_forward_context
+    from backboard.forward_context import set_forward_context
     from backboard.worker.input_batch import BatchRequest, prepare_batch
 
     mc, sc, bs = cfg.model, cfg.scheduler, cfg.cache.block_size

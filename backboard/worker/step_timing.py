@@ -22,8 +22,10 @@ class ForwardTimer:
         self._start: torch.cuda.Event | None = None
         self._pending: deque = deque(maxlen=_MAX_PENDING)   # (start, end) events not yet read
         self._seconds = 0.0
+        self._running = False
 
     def start(self) -> None:
+        self._running = True
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -31,6 +33,10 @@ class ForwardTimer:
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
+        """End the interval begun by start(); a second call does nothing."""
+        if not self._running:
+            return
+        self._running = False
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

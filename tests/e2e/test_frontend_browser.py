@@ -299,7 +299,7 @@ def test_tabs_fit_and_scorecards_show(open_page, api_server, view):
     if not listing["scorecards"]:
         pytest.skip("no scorecard folder (not a source checkout)")
     first = listing["scorecards"][0]
-    page.click(f"#scorecard-list li:first-child button")
+    page.click("#scorecard-list li:first-child button")
     frame = page.frame_locator("#scorecard-frame")
     totals = first["totals"]["totals"]
     other, t = next(iter(totals.items()))
