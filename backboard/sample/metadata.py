@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from backboard.constants import GREEDY_TEMPERATURE
 from backboard.sampling_params import SamplingParams
 
 
@@ -18,7 +19,7 @@ from backboard.sampling_params import SamplingParams
 class SamplingMetadata:
     """Per logit row (R rows)."""
 
-    temperature: torch.Tensor                       # [R] fp32; < 1e-5 means greedy
+    temperature: torch.Tensor                       # [R] fp32; < GREEDY_TEMPERATURE means greedy
     all_greedy: bool
     top_k: torch.Tensor | None = None               # [R] int64, 0 = off
     top_p: torch.Tensor | None = None               # [R] fp32
@@ -93,7 +94,7 @@ def build_sampling_metadata(table: SamplingParamsTable, brow: np.ndarray, choose
     a = table.a
     temp = a["temperature"][brow]
     md = SamplingMetadata(temperature=torch.tensor(temp, dtype=torch.float32, device=device),
-                          all_greedy=bool(np.all(temp < 1e-5)))
+                          all_greedy=bool(np.all(temp < GREEDY_TEMPERATURE)))
     if not md.all_greedy:
         _random_params(md, a, brow, choose_pos, device)
     if np.any((a["repetition"][brow] != 1) | (a["presence"][brow] != 0) | (a["frequency"][brow] != 0)):
@@ -115,7 +116,7 @@ def _random_params(md: SamplingMetadata, a: dict[str, np.ndarray], brow: np.ndar
         md.top_p = torch.tensor(a["top_p"][brow], dtype=torch.float32, device=device)
     if np.any(a["min_p"][brow] > 0.0):
         md.min_p = torch.tensor(a["min_p"][brow], dtype=torch.float32, device=device)
-    seeded = np.nonzero((a["seed"][brow] >= 0) & (a["temperature"][brow] >= 1e-5))[0]
+    seeded = np.nonzero((a["seed"][brow] >= 0) & (a["temperature"][brow] >= GREEDY_TEMPERATURE))[0]
     md.seeds = [(int(i), int(a["seed"][brow[i]]), int(choose_pos[i])) for i in seeded]
 
 

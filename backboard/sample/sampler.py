@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from backboard.constants import GREEDY_TEMPERATURE
 from backboard.core.outputs import TokenLogprobs
 from backboard.ops.sampling import apply_min_p, apply_penalties, apply_top_k_top_p, exponential_race, seeded_noise
 from backboard.sample.metadata import SamplingMetadata
@@ -29,7 +30,7 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The distribution random rows sample from: softmax of the processed, tempered, truncated
     logits. Greedy rows get a one-hot at their argmax. [R, V] fp32."""
-    greedy = md.temperature < 1e-5
+    greedy = md.temperature < GREEDY_TEMPERATURE
     temp = torch.where(greedy, torch.ones_like(md.temperature), md.temperature)
     x = logits / temp[:, None]
     if md.min_p is not None:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from backboard.config import ModelConfig
+from backboard.constants import spec_token_margin
 from backboard.forward_context import ModelCaches
 
 GiB = 1 << 30
@@ -92,7 +93,7 @@ def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers:
     bs = cc.block_size
     slots = cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)
     per_block = max(1, kv_bytes_per_block(mc, bs, dtype, len(mc.attn_layer_ids) + extra_attn_layers))
-    blocks_per_seq = -(-(sc.max_model_len + 2 * cfg.num_spec_tokens + 1) // bs)
+    blocks_per_seq = -(-(sc.max_model_len + spec_token_margin(cfg.num_spec_tokens)) // bs)
     useful = sc.max_num_seqs * blocks_per_seq + 1
     if cc.num_kv_blocks is not None:
         blocks = cc.num_kv_blocks

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
+from backboard.constants import spec_token_margin
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
@@ -42,8 +43,8 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
         self._allocate_caches(proposer.num_extra_attn_layers if proposer is not None else 0, use_graphs)
-        # + 2k: verify rows and the proposer's lookahead KV writes (see Scheduler.lookahead)
-        max_blocks = -(-(sc.max_model_len + 2 * k + 1) // self.block_size)
+        # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
+        max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
         self.params = SamplingParamsTable(sc.max_num_seqs)
         self.sampler = Sampler(cfg.seed, self.device)
@@ -85,7 +86,7 @@ class ModelRunner:
         sc, k = self.cfg.scheduler, self.cfg.num_spec_tokens
         graphs = CudaGraphRunner(
             self.model, self.caches, Ls=[1] + ([1 + k] if k else []), max_rows=256,
-            max_reqs=sc.max_num_seqs, max_blocks=max_blocks, max_seq_len=sc.max_model_len + 2 * k + 1,
+            max_reqs=sc.max_num_seqs, max_blocks=max_blocks, max_seq_len=sc.max_model_len + spec_token_margin(k),
             block_size=self.block_size, scratch_block=self.num_blocks, scratch_slot=self.num_slots,
             device=self.device)
         try:
