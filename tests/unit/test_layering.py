@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "backboard"
 
 LEVELS = {
-    "core": 0, "request": 0, "sampling_params": 0, "config": 0,
+    "core": 0, "request": 0, "sampling_params": 0, "config": 0, "constants": 0,
     "ops": 1,
     "forward_context": 2,
     "layers": 3,
