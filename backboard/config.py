@@ -336,6 +336,44 @@ class SpecConfig:
         return cls(**value)
 
 
+def _setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True):
+    """A user setting: its default, and what the command line shows (cli=False: not a flag)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting a user chooses, defined once: `EngineConfig.create(model, **kw)` and
+    `LLM(model, **kw)` take them as keywords, `backboard serve` / `generate` as flags
+    (`--max-num-seqs` for max_num_seqs; engine/cli.py builds the flags from these fields). Adding a
+    setting is adding a field here (and reading it in EngineConfig.create)."""
+
+    tokenizer: str | None = _setting(None, "tokenizer folder (default: the model's)")
+    dtype: str = _setting("auto", "auto, float32, bfloat16, float16 (aliases: fp32, bf16, fp16, half)")
+    max_model_len: int | None = _setting(None, "context length (default: the model's, at most 32768)")
+    max_num_seqs: int = _setting(64, "requests in the running batch, at most")
+    max_num_batched_tokens: int | None = _setting(
+        None, "tokens computed per step, at most (default: max(2048, min(max_model_len, 8192)))")
+    block_size: int = _setting(16, "tokens per KV cache block (a power of two)")
+    num_kv_blocks: int | None = _setting(None, "KV cache blocks (default: sized from the memory budget)")
+    kv_cache_memory_gib: float | None = _setting(None, "CPU: memory for the KV cache in GiB (default: 4)")
+    gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory the engine may use")
+    seed: int = _setting(0, "the engine's random seed (requests without a seed of their own)")
+    speculative_config: Any = _setting(None, 'JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
+    device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
+    scheduling_policy: str = _setting("fcfs", "the waiting queue's order", choices=("fcfs", "priority"))
+    long_prefill_token_threshold: int = _setting(0, "cap on the tokens one prefill takes per step (0: none)")
+    enforce_eager: bool = _setting(False, "no CUDA graphs")
+    served_model_name: str | None = _setting(None, "the model's name in responses", cli=False)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**kwargs)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -353,43 +391,44 @@ class EngineConfig:
         return self.spec.num_speculative_tokens if self.spec else 0
 
     @classmethod
-    def create(cls, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
-               max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-               block_size: int = 16, num_kv_blocks: int | None = None,
-               kv_cache_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
-               speculative_config: Any = None, device: str = "auto", seed: int = 0,
-               served_model_name: str | None = None, tokenizer: str | None = None,
-               scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0,
-               enforce_eager: bool = False) -> "EngineConfig":
-        mc = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
-        if max_model_len is None:
+    def create(cls, model: str, **settings: Any) -> "EngineConfig":
+        """The checkpoint at `model` with the user's settings (keywords: the fields of EngineArgs)."""
+        a = EngineArgs.from_kwargs(settings)
+        mc = ModelConfig.from_pretrained(model, dtype=a.dtype, max_model_len=a.max_model_len)
+        if a.max_model_len is None:
             # a sensible default context on small machines; the model's own limit otherwise
             mc = replace(mc, max_model_len=min(mc.max_position_embeddings, 32768))
+        max_num_batched_tokens = a.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(mc.max_model_len, 8192))
-        spec = SpecConfig.parse(speculative_config)
-        if spec is not None and spec.method == "mtp" and mc.mtp_num_hidden_layers < 1:
-            raise ConfigError(f"method 'mtp' needs a checkpoint with an MTP head "
-                              f"(mtp_num_hidden_layers >= 1); {model} has none")
-        if spec is not None and spec.method == "draft_head" and not spec.draft_model:
-            raise ConfigError("method 'draft_head' needs 'draft_model': the folder written by "
-                              "`backboard draft train` or `backboard draft quantize`")
+        spec = _check_spec(SpecConfig.parse(a.speculative_config), mc, model)
         return cls(
             model=mc,
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory_gib=kv_cache_memory_gib,
-                              gpu_memory_utilization=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+                              kv_cache_memory_gib=a.kv_cache_memory_gib,
+                              gpu_memory_utilization=a.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=mc.max_model_len, policy=scheduling_policy,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),
+                                      max_model_len=mc.max_model_len, policy=a.scheduling_policy,
+                                      long_prefill_token_threshold=a.long_prefill_token_threshold),
             spec=spec,
-            device=resolve_device(device),
-            seed=seed,
-            served_model_name=served_model_name,
-            tokenizer=tokenizer,
-            enforce_eager=enforce_eager,
+            device=resolve_device(a.device),
+            seed=a.seed,
+            served_model_name=a.served_model_name,
+            tokenizer=a.tokenizer,
+            enforce_eager=a.enforce_eager,
         )
+
+
+def _check_spec(spec: SpecConfig | None, mc: ModelConfig, model: str) -> SpecConfig | None:
+    """What a speculative method needs from the checkpoint and the settings."""
+    if spec is not None and spec.method == "mtp" and mc.mtp_num_hidden_layers < 1:
+        raise ConfigError(f"method 'mtp' needs a checkpoint with an MTP head "
+                          f"(mtp_num_hidden_layers >= 1); {model} has none")
+    if spec is not None and spec.method == "draft_head" and not spec.draft_model:
+        raise ConfigError("method 'draft_head' needs 'draft_model': the folder written by "
+                          "`backboard draft train` or `backboard draft quantize`")
+    return spec
 
 
 def resolve_device(device: str | None) -> str:

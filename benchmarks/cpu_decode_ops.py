@@ -5,8 +5,10 @@ the linear layers).
 
 Floors: the larger of the bytes an op must move (recurrent state read + written, KV read,
 activations) / the copy bandwidth measured here with the same thread count (a large tensor copy:
-read + write bytes per second) and its FLOPs / the fp32 matmul rate measured here. The GDN and attention cases cycle through copies of their states / KV caches larger than
-the last-level cache, so every call reads from memory as in a real step (each layer has its own). The machine is shared: numbers are noisy, run it twice; ratios measured in one run are
+read + write bytes per second) and its FLOPs / the fp32 matmul rate measured here. The GDN and
+attention cases cycle through copies of their states / KV caches larger than the last-level cache,
+so every call reads from memory as in a real step (each layer has its own). The machine is shared:
+numbers are noisy, run it twice; ratios measured in one run are
 the figures to trust.
 
     python benchmarks/cpu_decode_ops.py [--preset small] [--rows 1,4,16,64] [--ctx 256]
@@ -29,15 +31,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backboard.config import ModelConfig  # noqa: E402
+from backboard.forward_context import set_forward_context  # noqa: E402
 from backboard.models.loader import load_model, torch_dtype  # noqa: E402
 from backboard.models.tiny import build_tiny_checkpoint  # noqa: E402
 from backboard.ops import dispatch  # noqa: E402
 from backboard.ops import norm as norm_ref  # noqa: E402
 from backboard.ops.activation import silu_mul_ref  # noqa: E402
-from backboard.ops.attention import paged_attention_uniform  # noqa: E402
+from backboard.ops.attention import paged_attention_decode_ref  # noqa: E402
 from backboard.ops.cpu import decode_ops  # noqa: E402
 from backboard.ops.gdn.decode import gdn_decode_ref  # noqa: E402
-from backboard.worker.forward_context import set_forward_context  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 
@@ -137,7 +139,7 @@ def attention_case(cfg: ModelConfig, B: int, L: int, ctx: int, dt: torch.dtype, 
         return fn(q, kc, vc, bt[i], seq, ctx + L, D ** -0.5)
     nbytes = 2 * B * (ctx + L) * nkv * D * dt.itemsize + 2 * q.nbytes
     flops = 4 * B * L * nh * (ctx + L) * D    # q k^T and p v
-    return OpCase(f"attention ctx {ctx}", f"{B}x{L}", cycling(lambda i: run(paged_attention_uniform, i), S),
+    return OpCase(f"attention ctx {ctx}", f"{B}x{L}", cycling(lambda i: run(paged_attention_decode_ref, i), S),
                   cycling(lambda i: run(decode_ops.paged_attention_decode, i), S), nbytes, flops)
 
 
@@ -148,7 +150,7 @@ def norm_cases(cfg: ModelConfig, B: int, dt: torch.dtype) -> list[OpCase]:
     return [
         OpCase("fused_add_rms_norm", str(B), lambda: norm_ref.fused_add_rms_norm_ref(x, r, w, 1e-6, True),
                lambda: decode_ops.fused_add_rms_norm(x, r, w, 1e-6, True), 4 * x.nbytes),
-        OpCase("rms_norm", str(B), lambda: norm_ref.rms_norm(x, w, 1e-6, True),
+        OpCase("rms_norm", str(B), lambda: norm_ref.rms_norm_ref(x, w, 1e-6, True),
                lambda: decode_ops.rms_norm(x, w, 1e-6, True), 2 * x.nbytes),
         OpCase("silu_mul", str(B), lambda: silu_mul_ref(g), lambda: decode_ops.silu_mul(g),
                g.nbytes * 3 // 2),

@@ -129,7 +129,8 @@ def bench_linear(fl: Floors, name: str, N: int, K: int, rows: list[int], prefill
         tb = timed(lambda: F.linear(x, w), reps=2)
         tf = timed(lambda: F.linear(x.float(), wf), reps=2)
         floor = fl.of(N * K * 2, flops)
-        extra = f"  fp32-rate floor {flops / fl.fp32 * 1e3:8.3f} ms ({ours * fl.fp32 / flops:4.2f}x)" if M in prefill else ""
+        extra = (f"  fp32-rate floor {flops / fl.fp32 * 1e3:8.3f} ms ({ours * fl.fp32 / flops:4.2f}x)"
+                 if M in prefill else "")
         print(f"  {name:<22} {N:>6} x {K:<5} M={M:<4} ours {ours * 1e3:8.3f} ms  torch bf16 "
               f"{tb * 1e3:8.3f}  fp32 {tf * 1e3:8.3f}  floor {floor * 1e3:8.3f} ms  "
               f"ours/floor {ours / floor:5.2f}x{extra}", flush=True)
@@ -181,7 +182,7 @@ def step_bytes_flops(ours, R: int, ctx: int) -> tuple[float, float]:
 
 
 def bench_steps(fl: Floors, path: str, dtype: str, rows: list[int], ctx: int) -> dict[int, float]:
-    from forward_cpu import Ours   # the benchmarks' flat-batch driver
+    from forward_cpu import Ours  # the benchmarks' flat-batch driver
 
     ours = Ours(path, dtype, max(rows), ctx)
     rng = np.random.default_rng(0)

@@ -47,13 +47,13 @@ def measure(path: str, n: int, steps: int, greedy: bool) -> dict[str, float]:
     llm = LLM(path, max_num_seqs=n, max_model_len=512, max_num_batched_tokens=max(2048, n * 8))
     sp = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0 if greedy else 0.8, top_p=0.95)
     for i in range(n):
-        llm._add([1 + (i % 50), 2, 3, 4], sp, 0)
-    eng, out = llm.engine, llm.outputs
+        llm.add_request([1 + (i % 50), 2, 3, 4], sp)
+    eng = llm.engine
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()) or \
             len(eng.scheduler.running) < n:
-        out.process(eng.step())
+        llm.step()
     for _ in range(3):
-        out.process(eng.step())          # warm
+        llm.step()                       # warm
     tm = Timers()
     r = eng.runner
     tm.wrap(r.model, "forward", "forward")
@@ -61,15 +61,13 @@ def measure(path: str, n: int, steps: int, greedy: bool) -> dict[str, float]:
     tm.wrap(eng.scheduler, "schedule", "schedule")
     tm.wrap(eng.scheduler, "update_from_output", "update")
     tm.wrap(r, "_update_states", "prepare")
-    tm.wrap(r, "_prepare_inputs", "prepare")
+    tm.wrap(r, "_prepare", "prepare")
     tm.wrap(r, "_sample", "sample")
     tm.wrap(r, "_commit", "commit")
+    tm.wrap(llm.outputs, "process", "detokenize")
     t0 = time.perf_counter()
     for _ in range(steps):
-        outs = eng.step()
-        t1 = time.perf_counter()
-        out.process(outs)
-        tm.t["detokenize"] += time.perf_counter() - t1
+        llm.step()
     total = time.perf_counter() - t0
     res = {k: v / steps * 1e3 for k, v in tm.t.items()}
     res["total"] = total / steps * 1e3

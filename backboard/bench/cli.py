@@ -1,4 +1,4 @@
-"""`backboard bench serve | sweep | scorecard | cpu-preset`."""
+"""`backboard bench serve | sweep | scorecard | cpu-preset | checkpoint`."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_sweep(bsub)
     _register_scorecard(bsub)
     _register_cpu_preset(bsub)
+    _register_checkpoint(bsub)
 
 
 # ---------------------------------------------------------------- serve
@@ -81,8 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _register_serve(bsub) -> None:
     p = bsub.add_parser("serve", help="one InferenceX run against one server",
                         description="Random prompts, closed-loop concurrency, streaming "
-                                    "/v1/completions: InferenceX's client, metric for metric.")
+                                    "/v1/completions (or chat): InferenceX's client, metric for "
+                                    "metric.")
     p.add_argument("--base-url", type=_base_url, required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--backend", default="vllm", choices=["vllm", "openai", "openai-chat"],
+                   help="InferenceX's: vllm / openai POST /v1/completions (default), openai-chat "
+                        "POST /v1/chat/completions with the prompt as one user message")
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--tokenizer", help="tokenizer (path or name) for the prompts; default: --model")
     p.add_argument("--input-len", type=_positive_int, required=True)
@@ -115,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
                       input_len=args.input_len, output_len=args.output_len,
                       concurrency=args.concurrency, range_ratio=args.range_ratio,
                       num_prompts=args.num_prompts, num_warmups=args.num_warmups, seed=args.seed,
-                      api_key=args.api_key, disable_tqdm=args.disable_tqdm)
+                      api_key=args.api_key, disable_tqdm=args.disable_tqdm, backend=args.backend)
     try:
         result = run_serve(cfg)
     except (BenchError, OSError) as e:  # server unreachable, tokenizer not found, ...
@@ -137,13 +142,15 @@ def _serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- sweep
 
 
-def _add_sweep_args(p: argparse.ArgumentParser, with_points: bool = True) -> None:
-    if with_points:
-        p.add_argument("--input-lens", type=_int_list, help="e.g. 1024,8192")
-        p.add_argument("--output-len", type=_positive_int)
-        p.add_argument("--concurrency", type=_int_list, help="e.g. 1,4,16,64")
-    p.add_argument("--runs", type=_positive_int, help="repeats of every point (default 1)")
-    p.add_argument("--results-dir", required=with_points, help="one JSON per run goes here")
+def _add_sweep_args(p: argparse.ArgumentParser, results_dir: str | None = None) -> None:
+    """Points, runs and where results go (--results-dir required without a default)."""
+    p.add_argument("--input-lens", type=_int_list, help="e.g. 1024,8192")
+    p.add_argument("--output-len", type=_positive_int)
+    p.add_argument("--concurrency", type=_int_list, help="e.g. 1,4,16,64")
+    p.add_argument("--runs", type=_positive_int, help="repeats of every point")
+    p.add_argument("--results-dir", required=results_dir is None, default=results_dir,
+                   help="one JSON per run goes here" + (f" (default {results_dir})"
+                                                        if results_dir else ""))
     p.add_argument("--only", action="append", metavar="NAME", help="run only these targets")
     p.add_argument("--overwrite", action="store_true",
                    help="redo points whose result file exists (default: keep them and resume)")
@@ -216,14 +223,23 @@ def _register_scorecard(bsub) -> None:
     p.add_argument("--ours", default="backboard", help="the target to score (default backboard)")
     p.add_argument("--out-dir", help="default: RESULTS_DIR")
     p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=lambda a: _score(a.results_dir, a.ours, a.out_dir, not a.no_plots))
+    p.add_argument("--html", action="store_true",
+                   help="also write scorecard.html: one self-contained report (tables, plots "
+                        "embedded); from scorecard.json alone where the raw results are gone")
+    p.set_defaults(func=lambda a: _score(a.results_dir, a.ours, a.out_dir, not a.no_plots, a.html))
 
 
-def _score(results_dir: str, ours: str, out_dir: str | None, plots: bool) -> int:
-    from backboard.bench.scorecard import write_scorecard
+def _score(results_dir: str, ours: str, out_dir: str | None, plots: bool, html: bool = False) -> int:
+    from backboard.bench.scorecard import load_results, load_scorecard, write_scorecard
+    from backboard.bench.scorecard_html import write_html
 
     try:
-        sc, paths = write_scorecard(results_dir, ours, out_dir, plots)
+        if html and not load_results(results_dir)[0]:
+            sc, paths = load_scorecard(results_dir, ours), []     # a written scorecard only
+        else:
+            sc, paths = write_scorecard(results_dir, ours, out_dir, plots)
+        if html:
+            paths.append(write_html(results_dir, ours, out_dir, plots))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -238,23 +254,26 @@ def _score(results_dir: str, ours: str, out_dir: str | None, plots: bool) -> int
 
 
 def _register_cpu_preset(bsub) -> None:
-    from backboard.bench.presets import CPU_PRESET
+    from backboard.bench.presets import CPU_PRESET, QUICK
 
-    p = bsub.add_parser("cpu-preset", help="Backboard vs vLLM's CPU build on this machine, "
-                                           "end to end (checkpoint, sweep, scorecard)",
-                        description="Builds the demo checkpoint if needed, launches each server "
-                                    f"in turn as {CPU_PRESET} says, sweeps, writes the "
-                                    "scorecard. Set up vLLM first: benchmarks/setup_vllm_cpu.sh")
-    p.add_argument("--results-dir", default="bench-results/cpu-vs-vllm")
-    p.add_argument("--runs", type=_positive_int, help="default: the preset's (2)")
+    p = bsub.add_parser("cpu-preset", help="the CPU scorecard: Backboard vs vLLM's CPU build vs "
+                                           "llama.cpp's server on this machine, end to end",
+                        description="Builds the real-vocabulary benchmark checkpoint (and its "
+                                    "GGUF) if needed, launches each server in turn as "
+                                    f"{CPU_PRESET} says, sweeps, writes the scorecard. Set up "
+                                    "the peers first: benchmarks/setup_vllm_cpu.sh, "
+                                    "benchmarks/setup_llama_cpp.sh (or benchmarks/"
+                                    "cpu_scorecard.sh, which does all of it).")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke test: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
+    _add_sweep_args(p, results_dir="bench-results/cpu-scorecard")
     p.add_argument("--prompts-per-concurrency", type=_positive_int,
-                   help="prompts per point = this * concurrency (preset: 2; InferenceX: 10)")
-    p.add_argument("--only", action="append", metavar="NAME", help="run only these targets")
+                   help="prompts per point = this * concurrency (preset: 10, as InferenceX)")
     p.add_argument("--vllm-venv", help="default $VLLM_VENV or ~/.cache/backboard/venv-vllm-cpu")
+    p.add_argument("--llama-dir", help="default $LLAMA_CPP_DIR or ~/.cache/backboard/llama.cpp-*")
     p.add_argument("--model-dir", help="checkpoint folder (built if missing); default in the cache")
-    p.add_argument("--var", action="append", default=[], type=_key_value, metavar="NAME=VALUE")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--var", action="append", default=[], type=_key_value, metavar="NAME=VALUE",
+                   help="fill {NAME} placeholders, e.g. backboard_dtype=float32")
     p.set_defaults(func=_cpu_preset)
 
 
@@ -262,14 +281,45 @@ def _cpu_preset(args: argparse.Namespace) -> int:
     from backboard.bench.presets import prepare_cpu_preset
     from backboard.bench.sweep import SweepError
 
+    overrides = {"runs": args.runs, "input_lens": args.input_lens,
+                 "concurrency": args.concurrency, "output_len": args.output_len,
+                 "prompts_per_concurrency": args.prompts_per_concurrency}
     try:
-        cfg = prepare_cpu_preset(vllm_venv=args.vllm_venv, model_dir=args.model_dir,
-                                 runs=args.runs, only=args.only,
-                                 prompts_per_concurrency=args.prompts_per_concurrency,
-                                 variables=dict(args.var))
+        cfg = prepare_cpu_preset(vllm_venv=args.vllm_venv, llama_dir=args.llama_dir,
+                                 model_dir=args.model_dir, quick=args.quick, overrides=overrides,
+                                 only=args.only, variables=dict(args.var))
     except (SweepError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return _run_and_score(cfg, args.results_dir, args.overwrite, args.disable_tqdm,
                           ours="backboard" if any(t.name == "backboard" for t in cfg.targets)
                           else cfg.targets[0].name)
+
+
+# ---------------------------------------------------------------- the benchmark checkpoint
+
+
+def _register_checkpoint(bsub) -> None:
+    p = bsub.add_parser("checkpoint", help="build the CPU benchmark checkpoint (a small Qwen3.5 "
+                                           "hybrid with the real 248K vocabulary, bf16)")
+    p.add_argument("out_dir", nargs="?", help="default: in ~/.cache/backboard/models")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--gguf", action="store_true",
+                   help="also convert it to a BF16 GGUF with llama.cpp's converter")
+    p.add_argument("--llama-dir", help="default $LLAMA_CPP_DIR or ~/.cache/backboard/llama.cpp-*")
+    p.set_defaults(func=_checkpoint)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from backboard.bench.checkpoint import ensure_bench_checkpoint, ensure_gguf
+    from backboard.bench.presets import default_llama_dir
+
+    try:
+        path = ensure_bench_checkpoint(args.out_dir, dtype=args.dtype)
+        print(path)
+        if args.gguf:
+            print(ensure_gguf(path, args.llama_dir or default_llama_dir()))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -25,10 +25,12 @@ METRICS: tuple[tuple[str, str, bool], ...] = (("output_throughput", "output tok/
     for m, label in LATENCIES for stat, short in LATENCY_STATS)
 
 
-def load_results(results_dir: str) -> tuple[dict, list[dict]]:
-    """{(isl, osl, conc): {target: {run: result}}} of the good runs, and the failed runs."""
+def load_results(results_dir: str) -> tuple[dict, list[dict], dict]:
+    """{(isl, osl, conc): {target: {run: result}}} of the good runs, the failed runs, and each
+    target's set-up: {target: {"backends": [...], "notes": [...]}} (how the client spoke to it)."""
     points: dict = defaultdict(lambda: defaultdict(dict))
     failed = []
+    setups: dict = defaultdict(lambda: {"backends": set(), "notes": set()})
     for path in sorted(glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True)):
         try:
             with open(path) as f:
@@ -39,13 +41,22 @@ def load_results(results_dir: str) -> tuple[dict, list[dict]]:
         if not isinstance(s, dict):
             continue
         key = (int(s["input_len"]), int(s["output_len"]), int(s["concurrency"]))
+        _note_setup(setups[s["target"]], r)
         if r.get("run_failed"):
             failed.append({"target": s["target"], "run": s["run"], "input_len": key[0],
                            "output_len": key[1], "concurrency": key[2], "failed": r.get("failed"),
                            "path": os.path.relpath(path, results_dir)})
             continue
         points[key][s["target"]][int(s["run"])] = r
-    return {k: dict(v) for k, v in points.items()}, failed
+    setups = {t: {k: sorted(v) for k, v in d.items()} for t, d in setups.items()}
+    return {k: dict(v) for k, v in points.items()}, failed, setups
+
+
+def _note_setup(setup: dict, r: dict) -> None:
+    setup["backends"].add(str(r.get("backend") or "vllm"))
+    server = r["sweep"].get("server")
+    if isinstance(server, dict) and server.get("note"):
+        setup["notes"].add(" ".join(str(server["note"]).split()))
 
 
 def _better(a: float, b: float, higher: bool) -> bool:
@@ -74,7 +85,7 @@ def compare(ours_runs: dict[int, dict], theirs_runs: dict[int, dict], key: str,
 
 
 def build_scorecard(results_dir: str, ours: str = "backboard") -> dict:
-    points, failed = load_results(results_dir)
+    points, failed, setups = load_results(results_dir)
     if not points:
         raise ValueError(f"no sweep results (*.json with a 'sweep' entry) under {results_dir}")
     targets = sorted({t for p in points.values() for t in p})
@@ -82,7 +93,9 @@ def build_scorecard(results_dir: str, ours: str = "backboard") -> dict:
         raise ValueError(f"target {ours!r} has no results; targets found: {', '.join(targets)} "
                          "(choose one with --ours)")
     others = [t for t in targets if t != ours]
-    totals = {o: {"wins": 0, "total": 0} for o in others}
+    totals = {o: {"wins": 0, "total": 0, "by_metric": {k: {"wins": 0, "total": 0}
+                                                         for k, _, _ in METRICS}}
+              for o in others}
     out_points = []
     for key in sorted(points):
         runs = points[key]
@@ -96,13 +109,26 @@ def build_scorecard(results_dir: str, ours: str = "backboard") -> dict:
                     if o in runs:
                         c = compare(runs[ours], runs[o], mkey, higher)
                         comps[o] = c
-                        totals[o]["wins"] += c["win"]
-                        totals[o]["total"] += 1
+                        for tally in (totals[o], totals[o]["by_metric"][mkey]):
+                            tally["wins"] += c["win"]
+                            tally["total"] += 1
             entry["metrics"][mkey] = {"label": label, "higher_is_better": higher, "means": means,
                                       "comparisons": comps}
         out_points.append(entry)
     return {"ours": ours, "targets": targets, "competitors": others, "totals": totals,
+            "setups": {t: setups.get(t, {"backends": ["vllm"], "notes": []}) for t in targets},
             "points": out_points, "failed_runs": failed}
+
+
+def setup_differences(sc: dict) -> str | None:
+    """One line saying where the targets' set-ups differ and why (None: measured alike)."""
+    setups = sc.get("setups") or {}
+    backends = {t: "/".join(s["backends"]) for t, s in setups.items()}
+    if len(set(backends.values())) <= 1 and not any(s["notes"] for s in setups.values()):
+        return None
+    parts = [f"{t}: InferenceX backend {b}" + "".join(f"; {n}" for n in setups[t]["notes"])
+             for t, b in backends.items()]
+    return "Configurations differ: " + ". ".join(parts) + "."
 
 
 def _fmt(v: float | None, nd: int = 1) -> str:
@@ -111,7 +137,9 @@ def _fmt(v: float | None, nd: int = 1) -> str:
 
 def to_markdown(sc: dict) -> str:
     ours, others, targets = sc["ours"], sc["competitors"], sc["targets"]
-    lines = [f"# Scorecard: {ours} vs {', '.join(others) or '(no competitor)'}", ""]
+    differences = setup_differences(sc)
+    lines = [f"> {differences}", ""] if differences else []
+    lines += [f"# Scorecard: {ours} vs {', '.join(others) or '(no competitor)'}", ""]
     lines.append("A win is higher output throughput or lower latency of the mean over runs. "
                  f"Margin: how much better {ours} is, in % of the competitor (negative: "
                  "worse). Agree: run pairs (run i vs run i) whose own verdict matches.")
@@ -122,6 +150,8 @@ def to_markdown(sc: dict) -> str:
     if not others:
         lines.append("- one target only: nothing to compare")
     lines.append("")
+    if others:
+        lines += _wins_by_metric(sc)
     for p in sc["points"]:
         runs = ", ".join(f"{t}: {len(r)}" for t, r in p["runs"].items())
         lines.append(f"## input {p['input_len']}, output {p['output_len']}, "
@@ -154,8 +184,26 @@ def to_markdown(sc: dict) -> str:
     return "\n".join(lines)
 
 
+def _wins_by_metric(sc: dict) -> list[str]:
+    """Wins per metric against each competitor (over all points)."""
+    others = sc["competitors"]
+    lines = ["| metric | " + " | ".join(f"vs {o}" for o in others) + " |",
+             "|" + "---|" * (len(others) + 1)]
+    for mkey, label, _ in METRICS:
+        cells = [sc["totals"][o]["by_metric"][mkey] for o in others]
+        lines.append(f"| {label} | " + " | ".join(f"{c['wins']}/{c['total']}" for c in cells)
+                     + " |")
+    return lines + [""]
+
+
 def write_plots(sc: dict, out_dir: str) -> list[str]:
-    """Output throughput vs concurrency; latency percentiles; throughput vs interactivity."""
+    """The figures as PNG files in out_dir; their paths."""
+    return [_save(fig, out_dir, name) for name, fig in figures(sc)]
+
+
+def figures(sc: dict) -> list[tuple[str, "object"]]:
+    """(file name, matplotlib figure): output throughput vs concurrency; latency percentiles;
+    throughput vs interactivity. The caller saves and closes them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +226,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.minorticks_off()
 
-    paths = []
+    figs = []
     n = len(shapes)
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, s in zip(axes[0], shapes):
@@ -189,7 +237,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
         conc_axis(ax)
         ax.grid(alpha=0.3)
         ax.legend()
-    paths.append(_save(fig, out_dir, "throughput_vs_concurrency.png"))
+    figs.append(("throughput_vs_concurrency.png", fig))
 
     styles = {"median": "-", "p90": "--", "p99": ":", "mean": "-."}
     fig, axes = plt.subplots(len(LATENCIES), n, figsize=(5 * n, 3.5 * len(LATENCIES)),
@@ -206,7 +254,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
             conc_axis(ax)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    paths.append(_save(fig, out_dir, "latency_percentiles.png"))
+    figs.append(("latency_percentiles.png", fig))
 
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, s in zip(axes[0], shapes):
@@ -223,8 +271,8 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
                ylabel="output tokens/s", title=f"input {s[0]} / output {s[1]}")
         ax.grid(alpha=0.3)
         ax.legend()
-    paths.append(_save(fig, out_dir, "throughput_vs_interactivity.png"))
-    return paths
+    figs.append(("throughput_vs_interactivity.png", fig))
+    return figs
 
 
 def _save(fig, out_dir: str, name: str) -> str:
@@ -235,6 +283,17 @@ def _save(fig, out_dir: str, name: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def load_scorecard(results_dir: str, ours: str = "backboard") -> dict:
+    """The scorecard of a results folder: built from its sweep results, or, where only the
+    written scorecard was kept (committed results), read from its scorecard.json."""
+    written = os.path.join(results_dir, "scorecard.json")
+    points = load_results(results_dir)[0]
+    if not points and os.path.isfile(written):
+        with open(written) as f:
+            return json.load(f)
+    return build_scorecard(results_dir, ours)
 
 
 def write_scorecard(results_dir: str, ours: str = "backboard", out_dir: str | None = None,

@@ -15,11 +15,10 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from backboard.bench.client import completion_payload, make_client, run_closed_loop, send_request
+from backboard.bench.client import get_backend, make_client, run_closed_loop, send_backend_request
 from backboard.bench.dataset import BenchRequest, load_tokenizer, sample_random_requests
 from backboard.bench.metrics import LATENCY_METRICS, PERCENTILES, compute_metrics, percentile_key
 
-COMPLETIONS_PATH = "/v1/completions"
 MAX_FAILED_FRACTION = 0.05
 
 
@@ -41,9 +40,11 @@ class ServeConfig:
     seed: int = 0
     api_key: str | None = None
     disable_tqdm: bool = False
+    backend: str = "vllm"  # InferenceX's --backend: vllm / openai (completions), openai-chat
 
     def __post_init__(self) -> None:
         check_base_url(self.base_url)
+        get_backend(self.backend)
         for name in ("input_len", "output_len", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1")
@@ -58,7 +59,7 @@ class ServeConfig:
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + COMPLETIONS_PATH
+        return self.base_url.rstrip("/") + get_backend(self.backend).path
 
     @property
     def headers(self) -> dict[str, str] | None:
@@ -81,7 +82,7 @@ def run_serve(cfg: ServeConfig, tokenizer=None) -> dict:
     outputs, duration = asyncio.run(_run(cfg, requests))
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "vllm",
+        "backend": cfg.backend,
         "model_id": cfg.model,
         "tokenizer_id": cfg.tokenizer or cfg.model,
         "best_of": 1,
@@ -107,18 +108,20 @@ def run_serve(cfg: ServeConfig, tokenizer=None) -> dict:
 
 async def _run(cfg: ServeConfig, requests: list[BenchRequest]):
     first = requests[0]
+    backend = get_backend(cfg.backend)
     async with make_client(cfg.concurrency) as client:
-        test = await send_request(client, cfg.url, completion_payload(cfg.model, first),
-                                  first.prompt_len, cfg.headers)
+        test = await send_backend_request(client, cfg.base_url, backend, cfg.model, first,
+                                          cfg.headers)
         if not test.success:
             raise BenchError(f"the test request to {cfg.url} failed: {test.error}")
         if cfg.num_warmups:
-            await run_closed_loop(client, cfg.url, cfg.model, [first] * cfg.num_warmups,
-                                  cfg.concurrency, cfg.headers)
+            await run_closed_loop(client, cfg.base_url, backend, cfg.model,
+                                  [first] * cfg.num_warmups, cfg.concurrency, cfg.headers)
         with tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests",
                   file=sys.stderr) as bar:
-            return await run_closed_loop(client, cfg.url, cfg.model, requests, cfg.concurrency,
-                                         cfg.headers, on_done=lambda _o: bar.update(1))
+            return await run_closed_loop(client, cfg.base_url, backend, cfg.model, requests,
+                                         cfg.concurrency, cfg.headers,
+                                         on_done=lambda _o: bar.update(1))
 
 
 def format_result(r: dict) -> str:

@@ -20,6 +20,8 @@ Definition file (YAML, or TOML with the same keys), all keys optional but `targe
       - name: backboard
         base_url: http://127.0.0.1:8100
         model: null                 # sent as "model"; null: the first id of GET /v1/models
+        backend: vllm               # InferenceX's --backend: vllm / openai, or openai-chat
+        note: "..."                 # why this target is set up differently (in the scorecard)
         command: "{python} -m backboard.cli serve {model} --port 8100 --max-num-seqs {max_num_seqs}"
         env: {OMP_NUM_THREADS: "2"}
         health_url: http://127.0.0.1:8100/health     # default: base_url + /health
@@ -27,7 +29,8 @@ Definition file (YAML, or TOML with the same keys), all keys optional but `targe
         stop_timeout: 30
 
 Built-in placeholders: {python} (this interpreter), {max_num_seqs} (largest concurrency),
-{max_model_len} (largest input + output + 20, as InferenceX), {input_len_max}, {output_len}.
+{max_model_len} (largest input + output + 20, as InferenceX), {kv_tokens} (max_num_seqs *
+max_model_len), {input_len_max}, {output_len}.
 Strings also expand $ENV_VARS and ~.
 """
 
@@ -48,7 +51,9 @@ from importlib import metadata
 
 import httpx
 
+from backboard.bench.client import get_backend
 from backboard.bench.serve import BenchError, ServeConfig, check_base_url, run_serve, write_json
+from backboard.ops.cpu.build import cpu_flags, cpu_model
 
 
 class SweepError(RuntimeError):
@@ -60,6 +65,8 @@ class Target:
     name: str
     base_url: str
     model: str | None = None
+    backend: str = "vllm"
+    note: str | None = None
     command: str | list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     health_url: str | None = None
@@ -71,6 +78,10 @@ class Target:
             raise SweepError(f"bad target name {self.name!r}")
         try:
             check_base_url(self.base_url)
+        except ValueError as e:
+            raise SweepError(f"target {self.name}: {e}") from None
+        try:
+            get_backend(self.backend)
         except ValueError as e:
             raise SweepError(f"target {self.name}: {e}") from None
         if self.health_url is None:
@@ -123,6 +134,8 @@ def builtin_vars(input_lens: list[int], output_len: int, concurrency: list[int])
         "python": sys.executable,
         "max_num_seqs": str(max(concurrency)),
         "max_model_len": str(max(input_lens) + output_len + 20),
+        # context of all requests in flight at once (llama-server's -c is shared by its slots)
+        "kv_tokens": str(max(concurrency) * (max(input_lens) + output_len + 20)),
         "input_len_max": str(max(input_lens)),
         "output_len": str(output_len),
     }
@@ -231,7 +244,8 @@ def environment_info() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "packages": packages,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_isa": _cpu_isa(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": _memory_gib(),
@@ -239,15 +253,9 @@ def environment_info() -> dict:
     }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _cpu_isa() -> list[str]:
+    """The vector ISA flags that choose CPU kernels (AVX2, AVX-512 and its BF16, AMX)."""
+    return sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx", "fma")))
 
 
 def _memory_gib() -> float | None:
@@ -412,8 +420,9 @@ def sigterm_as_interrupt():
 
 def server_info(target: Target) -> dict:
     """How the server was configured: its launch command and env, and what it says of itself."""
-    info = {"name": target.name, "base_url": target.base_url, "command": target.argv,
-            "env": target.env, "packages": command_packages(target.argv)}
+    info = {"name": target.name, "base_url": target.base_url, "backend": target.backend,
+            "note": target.note, "command": target.argv, "env": target.env,
+            "packages": command_packages(target.argv)}
     for key, path in (("models", "/v1/models"), ("version", "/version")):
         try:
             r = httpx.get(target.base_url.rstrip("/") + path, timeout=10, trust_env=False)
@@ -489,7 +498,8 @@ def _run_target(cfg: SweepConfig, target: Target, run: int, todo: list[tuple[int
                                range_ratio=cfg.range_ratio,
                                num_prompts=cfg.prompts_per_concurrency * c,
                                num_warmups=cfg.warmups_per_concurrency * c, seed=cfg.seed,
-                               api_key=cfg.api_key, disable_tqdm=disable_tqdm)
+                               api_key=cfg.api_key, disable_tqdm=disable_tqdm,
+                               backend=target.backend)
             load_before = [round(x, 2) for x in os.getloadavg()]
             result = run_serve(scfg, tokenizer)
             # how busy the machine was (1, 5, 15 min load averages): the measurement's noise

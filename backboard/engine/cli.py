@@ -4,38 +4,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
+from dataclasses import Field, fields
+from typing import Any
+
+from backboard.config import EngineArgs
+
+
+def engine_flags() -> list[Field]:
+    """The EngineArgs fields that are command-line flags."""
+    return [f for f in fields(EngineArgs) if f.metadata.get("cli", True)]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine settings shared by `generate` and `serve` (the keywords of EngineConfig.create)."""
-    e = p.add_argument_group("engine")
-    e.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--speculative-config", default=None,
-                   help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
-    e.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    e.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    """The engine flags shared by `generate` and `serve`: one per EngineArgs field."""
+    group = p.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in engine_flags():
+        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if hints[f.name] is bool:
+            group.add_argument(flag, action="store_true", default=f.default, help=help_)
+        else:
+            group.add_argument(flag, type=_scalar(hints[f.name]), default=f.default,
+                               choices=f.metadata["choices"], help=help_)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                speculative_config=args.speculative_config, device=args.device, seed=args.seed,
-                tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enforce_eager=args.enforce_eager)
+def _scalar(hint) -> type:
+    """The argparse type of a field: `int | None` -> int; anything else (JSON, Any) -> str."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if args[0] in (int, float, str) else str
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Parsed flags -> the keywords of EngineConfig.create / LLM."""
+    return {f.name: getattr(args, f.name) for f in engine_flags()}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,15 +73,14 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
-    parent = llm._add(prompt, sp, 0)
-    while llm.engine.has_unfinished_requests():
-        outs, to_stop = llm.outputs.process(llm.engine.step())
-        if to_stop:
-            llm.engine.stop_requests(to_stop)
-        for o in outs:
+    llm.add_request(prompt, sp)
+    final = None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
             sys.stdout.write(o.outputs[0].delta_text)
             sys.stdout.flush()
-    c = parent.output().outputs[0]
+            final = o
+    c = final.outputs[0]
     sys.stdout.write("\n")
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
     return 0

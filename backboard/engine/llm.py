@@ -7,33 +7,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from backboard.config import EngineConfig
 from backboard.engine.engine_core import EngineCore
-from backboard.engine.output_processor import (InputProcessor, OutputProcessor, ParentRequest,
-                                               RequestOutput)
+from backboard.engine.output_processor import InputProcessor, OutputProcessor, ParentRequest, RequestOutput
 from backboard.engine.tokenizer import Tokenizer
 from backboard.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None,
-                 gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 speculative_config: Any = None, device: str = "auto",
-                 scheduling_policy: str = "fcfs", long_prefill_token_threshold: int = 0,
-                 enforce_eager: bool = False) -> None:
-        self.config = EngineConfig.create(
-            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
-            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
-            device=device, seed=seed, tokenizer=tokenizer, scheduling_policy=scheduling_policy,
-            long_prefill_token_threshold=long_prefill_token_threshold, enforce_eager=enforce_eager)
-        self.tokenizer = Tokenizer(tokenizer or model)
+    def __init__(self, model: str, **settings: Any) -> None:
+        """`model`: a checkpoint folder; `settings`: the engine settings (the fields of
+        backboard.config.EngineArgs: max_num_seqs, max_model_len, dtype, speculative_config, ...)."""
+        self.config = EngineConfig.create(model, **settings)
+        self.tokenizer = Tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         mc = self.config.model
         eos = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.eos_token_ids))
@@ -51,10 +40,10 @@ class LLM:
         """One RequestOutput per prompt, in order."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        parents = [self._add(p, sp, pr) for p, sp, pr in
-                   zip(prompts, params, priority or [0] * len(prompts))]
-        self._run(parents, use_tqdm)
-        return [p.output() for p in parents]
+        ids = [self.add_request(p, sp, priority=pr) for p, sp, pr in
+               zip(prompts, params, priority or [0] * len(prompts))]
+        done = self._run_to_completion(use_tqdm, len(ids))
+        return [done[i] for i in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,36 +70,54 @@ class LLM:
                 "spec_draft_time_s": s.spec_draft_time_s, "spec_verify_time_s": s.spec_verify_time_s})
         return d
 
-    # ---------------------------------------------------------------------------------------
-    def _add(self, prompt, params: SamplingParams, priority: int) -> ParentRequest:
-        text, ecr = self.inputs.make_request(prompt, params, priority=priority)
+    # ---- step by step (vLLM's LLMEngine names) ------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int] | dict[str, Any], params: SamplingParams | None = None,
+                    *, request_id: str | None = None, priority: int = 0) -> str:
+        """Validate (InputError), tokenize and queue a request; returns its id. `step()` runs it."""
+        params = params if params is not None else SamplingParams()
+        if request_id is not None and request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ecr = self.inputs.make_request(prompt, params, request_id=request_id, priority=priority)
         parent = ParentRequest(ecr.request_id, text, ecr.prompt_token_ids, params, self.tokenizer,
                                ecr.arrival_time)
         for i, cid in enumerate(self.outputs.add(parent)):
-            ecr.request_id, ecr.sampling_params = cid, parent.child_params(i)
-            self.engine.add_request(_copy(ecr))
-        return parent
+            self.engine.add_request(replace(ecr, request_id=cid, sampling_params=parent.child_params(i),
+                                            prompt_token_ids=list(ecr.prompt_token_ids)))
+        return ecr.request_id
 
-    def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> None:
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the RequestOutput of every request it advanced (`finished` once all of
+        its completions are done; each CompletionOutput's delta_* fields say what this step added)."""
+        if not self.engine.has_unfinished_requests():
+            return []
+        outs, to_stop = self.outputs.process(self.engine.step())
+        if to_stop:
+            self.engine.stop_requests(to_stop)      # a stop string ended them in the front end
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Forget requests and free what they hold in the engine."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.engine.abort_requests(self.outputs.abort(rid))
+
+    def _run_to_completion(self, use_tqdm: bool, total: int) -> dict[str, RequestOutput]:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(parents), desc="generate", unit="req")
-        while self.engine.has_unfinished_requests():
-            outs, to_stop = self.outputs.process(self.engine.step())
-            if to_stop:
-                self.engine.stop_requests(to_stop)
+            bar = tqdm(total=total, desc="generate", unit="req")
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            finished = [o for o in self.step() if o.finished]
+            done.update((o.request_id, o) for o in finished)
             if bar is not None:
-                bar.update(sum(1 for o in outs if o.finished))
+                bar.update(len(finished))
         if bar is not None:
             bar.close()
-
-
-def _copy(ecr):
-    from dataclasses import replace
-
-    return replace(ecr, prompt_token_ids=list(ecr.prompt_token_ids))
+        return done
 
 
 def _as_prompt_list(prompts) -> list:

@@ -80,4 +80,5 @@ class Int8Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.int8_linear(x.float(), self.qweight, self.scales)
+        # activations in the model dtype (exact), fp32 accumulation and logits
+        return dispatch.int8_linear(x, self.qweight, self.scales, torch.float32)

@@ -38,14 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from backboard.ops.activation import silu_mul_ref
-from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.attention import paged_attention_decode_ref
 from backboard.ops.cpu import decode_ops as cpu_ops
 from backboard.ops.cpu import gemm as cpu_gemm
 from backboard.ops.cpu.build import kernels_enabled
 from backboard.ops.gdn.decode import gdn_decode_ref
-from backboard.ops.norm import fused_add_rms_norm_ref
-from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
-from backboard.ops.norm import rms_norm as rms_norm_ref
+from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
 
 logger = logging.getLogger(__name__)
@@ -73,6 +71,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _host_compiling() -> bool:
+    """Launches are being recorded for a GPU target (ops/triton/host_compile.py): CPU tensors,
+    nothing runs."""
+    from backboard.ops.triton._checks import HostCompile
+    return HostCompile.active
+
+
 def triton_available() -> bool:
     """triton imports (probed once, lazily)."""
     global _triton_ok
@@ -96,7 +101,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         if not triton_available():
             raise RuntimeError(f"{ENV_VAR}=triton, but triton cannot be imported "
                                "(pip install triton, or use BACKBOARD_KERNELS=torch)")
-        if not on_cuda and not interpreting():
+        if not on_cuda and not (interpreting() or _host_compiling()):
             devs = sorted({str(t.device) for t in tensors})
             raise RuntimeError(f"{ENV_VAR}=triton with tensors on {devs}: Triton kernels need CUDA "
                                "tensors, or TRITON_INTERPRET=1 to run on the CPU")
@@ -183,18 +188,18 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
-    """See ops.attention.paged_attention_uniform: q [B, L, nh, D] -> [B, L, nh, D]."""
+    """See ops.attention.paged_attention_decode_ref: q [B, L, nh, D] -> [B, L, nh, D]."""
     if use_triton(q):
         return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
                                                             seq_lens, max_seq_len, scale)
     if use_cpu_decode_ops(q) and k_cache.dtype == q.dtype:
         return cpu_ops.paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
                                               max_seq_len, scale)
-    return paged_attention_uniform(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """See ops.norm.rms_norm."""
+    """See ops.norm.rms_norm_ref."""
     if use_triton(x):
         return _kernels("norm").rms_norm(x, weight, eps, zero_centered)
     fn = cpu_ops.rms_norm if weight.dtype == x.dtype and use_cpu_decode_ops(x, weight) else rms_norm_ref
@@ -214,7 +219,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """See ops.norm.gated_rms_norm (x, gate [T, nh, N])."""
+    """See ops.norm.gated_rms_norm_ref (x, gate [T, nh, N])."""
     if use_triton(x):
         return _kernels("norm").gated_rms_norm(x, gate, weight, eps, out_dtype)
     same = gate.dtype == weight.dtype == out_dtype == x.dtype
@@ -239,13 +244,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See ops.quant.int8_linear_ref: x [M, K] @ (int8 [N, K] * scale [N])^T -> [M, N]."""
     if use_triton(x):
-        return _kernels("quant_gemm").int8_linear(x, q, scale)
+        return _kernels("quant_gemm").int8_linear(x, q, scale, out_dtype)
     if (mod := _cpu_gemm(x, q, scale)) is not None:
-        return cpu_gemm.int8_linear(x, q, scale, mod=mod)
-    return int8_linear_ref(x, q, scale)
+        return cpu_gemm.int8_linear(x, q, scale, out_dtype, mod=mod)
+    return int8_linear_ref(x, q, scale, out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

@@ -49,20 +49,21 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ (q * scale)^T. x: [M, K] float; q: int8 [N, K]; scale: [N]. Returns [M, N] in
-    x's dtype (fp32 accumulation)."""
+    out_dtype (default x's dtype; fp32 accumulation)."""
     _check_linear("int8_linear_ref", x, q, q.shape[1])
     if q.dtype != torch.int8 or scale.shape != (q.shape[0],):
         raise ValueError(f"int8_linear_ref: q must be int8 [N, K] and scale [N]; got {q.dtype} "
                          f"{tuple(q.shape)}, scale {tuple(scale.shape)}")
     N, K = q.shape
     xf = x.float()
-    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], N, dtype=out_dtype or x.dtype, device=x.device)
     rows = _slab_rows(K)
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
-        y[:, n0:n1] = (xf @ q[n0:n1].float().t() * scale[n0:n1].float()).to(x.dtype)
+        y[:, n0:n1] = (xf @ q[n0:n1].float().t() * scale[n0:n1].float()).to(y.dtype)
     return y
 
 

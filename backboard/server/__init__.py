@@ -9,5 +9,5 @@
     errors.py     OpenAI-style error bodies for every failure
     metrics.py    Prometheus metrics
 
-The engine runs in its own process behind backboard.engine.async_engine.AsyncLLM.
+The engine runs in its own process behind backboard.engine.async_llm.AsyncLLM.
 """

@@ -34,6 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--drain-timeout", type=float, default=600.0,
                    help="on SIGTERM, wait at most this many seconds for running requests")
+    g.add_argument("--engine-address", default=None,
+                   help="where the front end binds its sockets to the engine process: ipc://DIR, or "
+                        "tcp://HOST:PORT (PORT and PORT+1; 0: any free ports) (default: ipc in a temp dir)")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="no page at / (chat playground, dashboard, scorecards) and no /api/ routes")
+    g.add_argument("--scorecard-dir", default=None,
+                   help="results folders the page's scorecard viewer lists (default: "
+                        "benchmarks/results of a source checkout)")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: every core; "
@@ -70,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("backboard.server")
     from backboard.config import ConfigError, EngineConfig
     from backboard.engine.tokenizer import Tokenizer, TokenizerError
+    from backboard.engine.transport import EngineAddresses
 
     try:
         if args.stream_interval < 1:
@@ -78,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
             raise StartupError(f"--cpu-threads must be >= 1; got {args.cpu_threads}")
         if not 0 < args.port < 65536:
             raise StartupError(f"--port must be in 1..65535; got {args.port}")
+        if args.engine_address is not None:
+            EngineAddresses.parse(args.engine_address)     # a bad address stops start-up here
         path, where = resolve_model(args.model)
         log.info(where)
         cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
                                   **engine_kwargs(args))
         tokenizer = Tokenizer(args.tokenizer or path)
-    except (StartupError, ConfigError, TokenizerError) as e:
+    except (StartupError, ConfigError, TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
 
@@ -93,5 +104,6 @@ def run(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        cpu_threads=args.cpu_threads)
+                        cpu_threads=args.cpu_threads, engine_address=args.engine_address,
+                        disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import uvicorn
 
 from backboard.config import EngineConfig
-from backboard.engine.async_engine import AsyncLLM, EngineDeadError, EngineStartError
+from backboard.engine.async_llm import AsyncLLM
+from backboard.engine.request_stream import EngineDeadError, EngineStartError
 from backboard.server.api import ServerState, build_app
 from backboard.server.metrics import ServerMetrics
 
@@ -37,6 +38,9 @@ class ServeOptions:
     access_log: bool = False
     drain_timeout_s: float = 600.0
     cpu_threads: int | None = None
+    engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
+    disable_frontend: bool = False
+    scorecard_dir: str | None = None
 
 
 class _Server(uvicorn.Server):
@@ -106,9 +110,11 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
     names = list(opts.served_names) or [cfg.model.path]
     metrics = ServerMetrics(names[0], cfg.num_spec_tokens)
     engine = AsyncLLM(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
-                      on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads)
+                      on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads,
+                      addresses=opts.engine_address)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
-                        api_key=opts.api_key, stream_interval=opts.stream_interval)
+                        api_key=opts.api_key, stream_interval=opts.stream_interval,
+                        frontend=not opts.disable_frontend, scorecard_dir=opts.scorecard_dir)
     config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level=opts.log_level,
                             access_log=opts.access_log, timeout_graceful_shutdown=30,
                             timeout_keep_alive=30, lifespan="off")

@@ -7,10 +7,17 @@ which it sends with its step outputs."""
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 (re-exported for the route)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 (re-exported for the route)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from backboard.engine.async_engine import EngineStats, RequestStream
+from backboard.engine.messages import EngineStats
+from backboard.engine.request_stream import RequestStream
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -85,12 +92,10 @@ class ServerMetrics:
     def observe_finished(self, s: RequestStream) -> None:
         """A request finished (or was aborted): latencies and token counts."""
         name, t = self.model_name, s.timings
-        children = s.parent.children
-        n_out = sum(len(c.out.token_ids) for c in children)
         self.prompt_tokens.labels(name).inc(s.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(n_out)
-        for c in children:
-            self.success.labels(name, c.out.finish_reason or "abort").inc()
+        self.generation_tokens.labels(name).inc(sum(s.num_output_tokens))
+        for reason in s.finish_reasons:
+            self.success.labels(name, reason or "abort").inc()
         if t.engine_received is not None and t.first_scheduled is not None:
             self.queue.labels(name).observe(max(0.0, t.first_scheduled - t.engine_received))
         if t.first_output is None or s.aborted:
@@ -98,7 +103,7 @@ class ServerMetrics:
         self.ttft.labels(name).observe(t.first_output - t.arrival)
         if t.finished is not None:
             self.e2e.labels(name).observe(t.finished - t.arrival)
-            per_child = max(len(c.out.token_ids) for c in children)
+            per_child = max(s.num_output_tokens)
             if per_child > 1:
                 self.tpot.labels(name).observe((t.finished - t.first_output) / (per_child - 1))
 

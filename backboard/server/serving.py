@@ -19,9 +19,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
-from backboard.engine.async_engine import (AsyncLLM, ChildDelta, EngineDeadError, RequestRejected,
-                                           RequestStream)
+from backboard.engine.async_llm import AsyncLLM
 from backboard.engine.output_processor import InputError
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+)
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
 from backboard.server import responses as R
@@ -61,6 +67,7 @@ class _Call:
     model: str
     created: int
     stream: RequestStream
+    params: SamplingParams
     include_usage: bool = False
     continuous_usage: bool = False
     want_timing: bool = False
@@ -76,7 +83,7 @@ class _Pending:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     has_logprobs: bool = False
 
-    def add(self, d: ChildDelta) -> None:
+    def add(self, d: CompletionDelta) -> None:
         self.text.append(d.text)
         self.num_tokens += len(d.token_ids)
         if d.logprobs is not None:
@@ -87,6 +94,47 @@ class _Pending:
         out = ("".join(self.text), self.num_tokens, self.logprobs if self.has_logprobs else None)
         self.text, self.num_tokens, self.logprobs, self.has_logprobs = [], 0, [], False
         return out
+
+
+class _Chunks:
+    """A stream's state between chunks: tokens held back (stream interval > 1), which choices have
+    started, each choice's logprob text offset, and the tokens sent so far."""
+
+    def __init__(self, n: int) -> None:
+        self.pending = [_Pending() for _ in range(n)]
+        self.started = [False] * n
+        self.offsets = [0] * n
+        self.sent_tokens = 0
+
+    def take_due(self, d: CompletionDelta, interval: int) -> tuple[str, list[TokenLogprobs] | None] | None:
+        """(text, logprobs) to send now for this completion, or None to hold them back."""
+        p = self.pending[d.index]
+        p.add(d)
+        if d.finish_reason is None and p.num_tokens < interval:
+            return None
+        text, n, lps = p.take()
+        self.sent_tokens += n
+        return text, lps
+
+
+class _Whole:
+    """A non-streamed request's output, put together from its deltas."""
+
+    def __init__(self, n: int) -> None:
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        self.num_output_tokens = 0
+        self.prompt_logprobs = None
+
+    def add(self, d: RequestDelta) -> None:
+        for c in d.outputs:
+            self.text[c.index].append(c.text)
+            self.logprobs[c.index].extend(c.logprobs or ())
+            self.finish[c.index] = (c.finish_reason, c.stop_reason)
+        self.num_output_tokens = d.num_output_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
 
 
 class GenerationHandler:
@@ -144,7 +192,7 @@ class GenerationHandler:
             raise bad_request(str(e), param) from e
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
-        call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream,
+        call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
                      req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers)
         first = await self._wait(stream.get(), raw, rid)
         if first is None:
@@ -174,95 +222,88 @@ class GenerationHandler:
             self.engine.abort(rid)
             raise
 
-    async def _collect(self, call: _Call, first: list[ChildDelta]) -> dict:
+    async def _collect(self, call: _Call, first: list[RequestDelta]) -> dict:
         """Wait for the whole request; the non-streaming body."""
-        stream = call.stream
-        parent = stream.parent
-        lps: list[list[TokenLogprobs]] = [[] for _ in parent.children]
+        whole = _Whole(call.params.n)
         deltas = first
         while deltas:
             for d in deltas:
-                if d.logprobs:
-                    lps[d.index].extend(d.logprobs)
-            deltas = await stream.get()
-        choices = []
-        n_out = 0
-        for i, c in enumerate(parent.children):
-            o = c.out
-            n_out += len(o.token_ids)
-            want_lp = parent.params.logprobs is not None
-            if call.kind.chat:
-                lp = R.chat_logprobs(lps[i], self.tt) if want_lp else None
-                choice = R.chat_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
-            else:
-                lp = R.completion_logprobs(lps[i], self.tt, 0)[0] if want_lp else None
-                choice = R.completion_choice(i, o.text, lp, o.finish_reason, o.stop_reason)
-            if parent.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = R.prompt_logprobs(parent.prompt_logprobs, self.tt)
-            choices.append(choice)
+                whole.add(d)
+            deltas = await call.stream.get()
+        want_lp = call.params.logprobs is not None
+        choices = [self._choice(call, whole, i, want_lp) for i in range(call.params.n)]
         body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
-                      R.usage(stream.num_prompt_tokens, n_out))
+                      R.usage(call.stream.num_prompt_tokens, whole.num_output_tokens))
         if call.want_timing:
-            call.first_chunk_time = stream.timings.first_output
+            call.first_chunk_time = call.stream.timings.first_output
             body["backboard_timing"] = self._timing(call)
         return body
 
-    async def _events(self, call: _Call, first: list[ChildDelta]) -> AsyncIterator[bytes]:
+    def _choice(self, call: _Call, whole: "_Whole", i: int, want_lp: bool) -> dict:
+        text, lps = "".join(whole.text[i]), whole.logprobs[i]
+        finish, stop = whole.finish[i]
+        if call.kind.chat:
+            lp = R.chat_logprobs(lps, self.tt) if want_lp else None
+            choice = R.chat_choice(i, text, lp, finish, stop)
+        else:
+            lp = R.completion_logprobs(lps, self.tt, 0)[0] if want_lp else None
+            choice = R.completion_choice(i, text, lp, finish, stop)
+        if whole.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = R.prompt_logprobs(whole.prompt_logprobs, self.tt)
+        return choice
+
+    async def _events(self, call: _Call, first: list[RequestDelta]) -> AsyncIterator[bytes]:
         """The SSE stream: token chunks (stream_interval tokens each; the last group and the
         finish_reason always go out), then the usage chunk if asked, then [DONE]."""
-        stream = call.stream
-        n_children = len(stream.parent.children)
-        pending = [_Pending() for _ in range(n_children)]
-        started = [False] * n_children
-        offsets = [0] * n_children
-        sent_tokens = 0
+        chunks = _Chunks(call.stream.n)
         deltas = first
         try:
             while deltas:
-                events = []
-                for d in deltas:
-                    p = pending[d.index]
-                    p.add(d)
-                    if p.num_tokens < self.stream_interval and d.finish_reason is None:
-                        continue
-                    if p.num_tokens == 0 and d.finish_reason is None:
-                        continue
-                    text, n, lps = p.take()
-                    sent_tokens += n
-                    choice = self._chunk_choice(call, d, text, lps, started, offsets)
-                    chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
-                    if call.continuous_usage:
-                        chunk["usage"] = R.usage(stream.num_prompt_tokens, sent_tokens)
-                    events.append(R.sse(chunk))
+                events = self._sse_chunks(call, chunks, deltas)
                 if events:
-                    if call.first_chunk_time is None:
-                        call.first_chunk_time = time.time()
+                    call.first_chunk_time = call.first_chunk_time or time.time()
                     yield b"".join(events)
-                deltas = await stream.get()
+                deltas = await call.stream.get()
         except EngineDeadError as e:
             yield R.sse(error_body(str(e), "server_error", code=500))
             yield R.SSE_DONE
             return
         if call.include_usage:
-            final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
-                           R.usage(stream.num_prompt_tokens, sent_tokens))
-            if call.want_timing:
-                final["backboard_timing"] = self._timing(call)
-            yield R.sse(final)
+            yield R.sse(self._usage_chunk(call, chunks.sent_tokens))
         yield R.SSE_DONE
 
-    def _chunk_choice(self, call: _Call, d: ChildDelta, text: str, lps, started: list[bool],
-                      offsets: list[int]) -> dict:
+    def _sse_chunks(self, call: _Call, chunks: "_Chunks", deltas: list[RequestDelta]) -> list[bytes]:
+        """The events these deltas make due (none for tokens held back by the stream interval)."""
+        events = []
+        for d in (c for rd in deltas for c in rd.outputs):
+            due = chunks.take_due(d, self.stream_interval)
+            if due is None:
+                continue
+            choice = self._chunk_choice(call, chunks, d, *due)
+            chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
+            if call.continuous_usage:
+                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens)
+            events.append(R.sse(chunk))
+        return events
+
+    def _usage_chunk(self, call: _Call, sent_tokens: int) -> dict:
+        final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
+                       R.usage(call.stream.num_prompt_tokens, sent_tokens))
+        if call.want_timing:
+            final["backboard_timing"] = self._timing(call)
+        return final
+
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
-            first = not started[i]
-            started[i] = True
+            first = not chunks.started[i]
+            chunks.started[i] = True
             content = text if (text or first or d.finish_reason is None) else None
             return R.chat_delta_choice(i, content, first, lp, d.finish_reason, d.stop_reason)
         lp = None
         if lps is not None:
-            lp, offsets[i] = R.completion_logprobs(lps, self.tt, offsets[i])
+            lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
         return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
 
     def _timing(self, call: _Call) -> dict[str, Any]:

@@ -8,8 +8,10 @@ starts from an empty state (a one-token prompt's first step).
 
 Everything a captured forward reads lives in static buffers that `run` refills: token ids,
 positions, slot mapping, block table, sequence lengths, state slots (and verify destinations).
-The attention kernel is captured for the longest context (max_model_len) with a fixed number of
-splits; at replay each request stops at its own length."""
+The attention kernel is captured with a split count that depends on the batch size only; each
+request's split ranges are computed on the device from its sequence length at replay, so a short
+context spreads over all splits as it would eagerly (ops/triton/attention.py). max_model_len only
+bounds the block table."""
 
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backboard.worker.attn_metadata import ForwardMeta, UniformGroup
-from backboard.worker.forward_context import ModelCaches, set_forward_context
+from backboard.forward_context import ForwardMeta, ModelCaches, UniformGroup, set_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class StaticBatch:
         sb.meta = ForwardMeta(
             num_tokens=B * L, positions=sb.positions, slot_mapping=sb.slot_mapping,
             block_table=sb.block_table, seq_lens=sb.seq_lens,
-            # the captured attention covers the longest context; replay stops at each seq_len
+            # host-side bound for the block table; the kernels split by the device seq_lens
             seq_lens_cpu=np.full(B, max_seq_len, dtype=np.int64), query_start_loc_cpu=qsl,
             state_slots=sb.state_slots, has_initial_state=sb.has_init,
             has_initial_state_cpu=np.ones(B, dtype=bool),

@@ -67,17 +67,20 @@ def server(tmp_path_factory):
         log.close()
 
 
-def test_bench_serve_against_backboard(server):
+@pytest.mark.parametrize("backend", ["vllm", "openai-chat"])
+def test_bench_serve_against_backboard(server, backend):
+    """Both InferenceX backends count every token the server generates (chat: the prompt goes
+    through the chat template; the counts are still the client's own)."""
     from backboard.cli import main
 
     url, model, tmp = server
     models = httpx.get(url + "/v1/models", timeout=10).json()
     served = models["data"][0]["id"]
-    result_file = os.path.join(tmp, "result.json")
+    result_file = os.path.join(tmp, f"result-{backend}.json")
     rc = main(["bench", "serve", "--base-url", url, "--model", served, "--tokenizer", model,
-               "--input-len", "32", "--output-len", "16", "--concurrency", "4",
-               "--num-prompts", "8", "--num-warmups", "2", "--result-file", result_file,
-               "--disable-tqdm"])
+               "--backend", backend, "--input-len", "32", "--output-len", "16",
+               "--concurrency", "4", "--num-prompts", "8", "--num-warmups", "2",
+               "--result-file", result_file, "--disable-tqdm"])
     assert rc == 0
     with open(result_file) as f:
         r = json.load(f)

@@ -31,8 +31,9 @@ def _run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     (["{model}", "--dtype", "int3"], "dtype must be one of"),
     (["{model}", "--stream-interval", "0"], "--stream-interval must be >= 1"),
     (["some-org/some-model"], "could not download model 'some-org/some-model'"),
+    (["{model}", "--engine-address", "udp://somewhere:1"], "expected ipc://DIR or tcp://HOST:PORT"),
 ], ids=["missing-folder", "bad-block-size", "bad-spec-json", "bad-dtype", "bad-stream-interval",
-        "hub-unreachable"])
+        "hub-unreachable", "bad-engine-address"])
 def test_startup_errors_exit_cleanly(server_model, monkeypatch, capsys, args, message):
     """In-process `backboard serve ...`: the message on stderr and exit code 1 (an exception
     escaping would fail the test)."""

@@ -1,26 +1,16 @@
-"""In-process checks of the server's pieces (no engine process): the pipe framing, request
-translation, error descriptions, metrics from engine stats, and readiness before the model loads."""
+"""In-process checks of the server's pieces (no engine process): request translation, error
+descriptions, metrics from engine stats, and readiness before the model loads."""
 
 from __future__ import annotations
 
 import pytest
 
 from backboard.core.outputs import SchedulerStats, TokenLogprobs
-from backboard.engine.async_engine import EngineStats, FrameReader, frame
+from backboard.engine.messages import EngineStats
 from backboard.server import responses as R
 from backboard.server.errors import APIError, describe_validation_error
 from backboard.server.metrics import ServerMetrics
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
-
-
-def test_frames_survive_any_split():
-    msgs = [("step", list(range(n))) for n in (0, 1, 1000, 5)]
-    data = b"".join(frame(m) for m in msgs)
-    for cut in (1, 3, 7, 8, 9, 100, len(data)):
-        reader, got = FrameReader(), []
-        for i in range(0, len(data), cut):
-            got += reader.feed(data[i:i + cut])
-        assert got == msgs
 
 
 def test_request_translation():

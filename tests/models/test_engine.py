@@ -24,18 +24,16 @@ def _requests(seed: int = 0):
 def _run_staggered(llm: LLM, prompts, params, seed: int = 1) -> list[list[int]]:
     """Add requests at different steps (a few per step) and step until all finish."""
     rng = np.random.default_rng(seed)
-    parents, pending = [], list(range(len(prompts)))
-    while pending or llm.engine.has_unfinished_requests():
+    ids, pending, done = {}, list(range(len(prompts))), {}
+    while pending or llm.has_unfinished_requests():
         for _ in range(int(rng.integers(0, 4))):
             if pending:
                 i = pending.pop(0)
-                parents.append((i, llm._add(prompts[i], params[i], 0)))
-        if llm.engine.has_unfinished_requests():
-            llm.outputs.process(llm.engine.step())
-    out = [None] * len(prompts)
-    for i, p in parents:
-        out[i] = p.output().outputs[0].token_ids
-    return out
+                ids[llm.add_request(prompts[i], params[i])] = i
+        for o in llm.step():
+            if o.finished:
+                done[ids[o.request_id]] = o.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")

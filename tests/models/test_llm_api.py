@@ -104,6 +104,28 @@ def test_n_completions(llm):
     assert len({tuple(c.token_ids) for c in o.outputs}) > 1
 
 
+def test_add_request_and_step(llm):
+    """The step-by-step API: deltas add up to what generate() returns; an aborted request frees
+    everything it held; a duplicate id is refused."""
+    sp = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    want = llm.generate(["step by step"], sp)[0].outputs[0]
+    rid = llm.add_request("step by step", sp, request_id="mine")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request("again", sp, request_id="mine")
+    victim = llm.add_request([4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+    text, tokens, final = "", [], None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.request_id == rid:
+                text += o.outputs[0].delta_text
+                tokens += o.outputs[0].delta_token_ids
+                final = o
+            elif o.request_id == victim and len(o.outputs[0].token_ids) >= 2:
+                llm.abort_request(victim)
+    assert rid == "mine" and final.finished and tokens == want.token_ids and text == want.text
+    assert llm.step() == [] and llm.engine.scheduler.kv.pool.num_free == llm.engine.runner.num_blocks
+
+
 def test_input_errors(llm):
     from backboard.engine.output_processor import InputError
 

@@ -1,5 +1,5 @@
 """The C++ paged decode / verify attention (ops/cpu/paged_attention.h) against
-ops.attention.paged_attention_uniform: GQA ratios, head dims off the vector width, block sizes,
+ops.attention.paged_attention_decode_ref: GQA ratios, head dims off the vector width, block sizes,
 requests of different lengths, verify rows, the split-context path, bf16 and fp32 caches."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.attention import paged_attention_decode_ref
 from backboard.ops.cpu import decode_ops
 from tests.ops.cpu_isas import built, isa_param
 
@@ -40,7 +40,7 @@ def test_paged_attention_matches_reference(case, dtype, isa, close):
     built(isa)
     B, L, nh, nkv, D, bs, seq_lens = CASES[case]
     q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, bs, seq_lens, dtype)
-    ref = paged_attention_uniform(q, kc, vc, bt, seq, max_len, D ** -0.5)
+    ref = paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, D ** -0.5)
     out = decode_ops.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, isa=isa)
     assert out.shape == q.shape and out.dtype == dtype
     close(out, ref)
@@ -58,7 +58,7 @@ def test_split_context_matches_reference(isa, threads, close):
         out = decode_ops.paged_attention_decode(q, kc, vc, bt, seq, max_len, 0.2, isa=isa)
     finally:
         torch.set_num_threads(prev)
-    close(out, paged_attention_uniform(q, kc, vc, bt, seq, max_len, 0.2))
+    close(out, paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, 0.2))
 
 
 def test_int64_block_table_and_strided_query(close):
@@ -68,7 +68,7 @@ def test_int64_block_table_and_strided_query(close):
     qbig = torch.randn(2, 2, 4, 32)
     qbig[..., :16] = q
     out = decode_ops.paged_attention_decode(qbig[..., :16], kc, vc, bt.long(), seq.long(), max_len, 0.25)
-    close(out, paged_attention_uniform(q, kc, vc, bt, seq, max_len, 0.25))
+    close(out, paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, 0.25))
 
 
 def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
@@ -77,7 +77,7 @@ def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
     q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, 4, [9, 14], torch.float32)
     out = decode_ops.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5)
     # every row seeing the whole sequence (no per-row causal limit)
-    no_causal = torch.cat([paged_attention_uniform(q[:, t:t + 1], kc, vc, bt, seq, max_len, D ** -0.5)
+    no_causal = torch.cat([paged_attention_decode_ref(q[:, t:t + 1], kc, vc, bt, seq, max_len, D ** -0.5)
                            for t in range(L)], dim=1)
     differs(out, no_causal)
     # query head h reading KV head h % nkv instead of h // r
@@ -85,7 +85,7 @@ def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
     pi = torch.tensor([(h % nkv) * r + h // nkv for h in range(nh)])
     qp = torch.empty_like(q)
     qp[:, :, pi] = q
-    differs(out, paged_attention_uniform(qp, kc, vc, bt, seq, max_len, D ** -0.5)[:, :, pi])
+    differs(out, paged_attention_decode_ref(qp, kc, vc, bt, seq, max_len, D ** -0.5)[:, :, pi])
 
 
 def test_rejects_bad_arguments():

@@ -193,15 +193,41 @@ def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
 
 
 def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+    """No compiler: every family returns None (the references run) and the process is told once,
+    not once per family or level."""
     def no_compiler(*a):
         raise RuntimeError("Error building extension\ng++: not found")
     monkeypatch.setattr(build, "_build", no_compiler)
-    build._warn_once.cache_clear()
+    monkeypatch.setattr(build, "_build_failed", False)
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.load_kernels("gemm_test_nocc", ("gemm.cpp",), "portable") is None
         assert build.load_kernels("gemm_test_nocc2", ("gemm.cpp",), "portable") is None
     msgs = [r.message for r in caplog.records if "could not build" in r.message]
-    assert len(msgs) == 2 and "g++: not found" in msgs[0] and "torch references" in msgs[0]
+    assert len(msgs) == 1 and "g++: not found" in msgs[0] and "torch references" in msgs[0]
+
+
+def test_an_engine_without_a_compiler_serves_on_the_references_and_says_so_once(hybrid_model, tmp_path):
+    """A fresh process whose compiler is missing (CXX points nowhere, an empty extension cache):
+    a bf16 engine builds nothing, generates the same greedy tokens as BACKBOARD_KERNELS=torch, and
+    logs the failed build once."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING);"
+            "from backboard.engine.llm import LLM; from backboard.sampling_params import SamplingParams;"
+            f"llm = LLM({hybrid_model!r}, dtype='bfloat16', max_model_len=128, max_num_seqs=2);"
+            "out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0));"
+            "print('tokens', out[0].outputs[0].token_ids)")
+    runs = {}
+    for name, extra in (("nocc", {"CXX": str(tmp_path / "no-such-g++")}), ("torch", {"BACKBOARD_KERNELS": "torch"})):
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), **extra)
+        env.pop("BACKBOARD_CPU_KERNELS", None)
+        env.setdefault("BACKBOARD_KERNELS", "auto")
+        runs[name] = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                    timeout=600)
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert runs["nocc"].stderr.count("could not build") == 1, runs["nocc"].stderr
+    assert "torch references" in runs["nocc"].stderr
+    assert "could not build" not in runs["torch"].stderr
+    tokens = [ln for ln in runs["nocc"].stdout.splitlines() if ln.startswith("tokens")]
+    assert tokens and tokens == [ln for ln in runs["torch"].stdout.splitlines() if ln.startswith("tokens")]
 
 
 def test_engine_without_kernels_runs_on_the_references(tmp_path):

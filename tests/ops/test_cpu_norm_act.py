@@ -35,7 +35,7 @@ def test_rms_norm(shape, zero_centered, dtype, isa, close):
     w = (0.3 * torch.randn(shape[-1])).to(dtype)
     out = decode_ops.rms_norm(x, w, 1e-6, zero_centered, isa=isa)
     assert out.shape == x.shape and out.dtype == dtype
-    close(out, ref.rms_norm(x, w, 1e-6, zero_centered), **TOL[dtype])
+    close(out, ref.rms_norm_ref(x, w, 1e-6, zero_centered), **TOL[dtype])
 
 
 @isa_param
@@ -45,7 +45,7 @@ def test_rms_norm_on_head_views(dtype, isa, close):
     built(isa)
     x = head_view(4, 3, 24, dtype)
     w = (0.3 * torch.randn(24)).to(dtype)
-    close(decode_ops.rms_norm(x, w, 1e-6, True, isa=isa), ref.rms_norm(x, w, 1e-6, True), **TOL[dtype])
+    close(decode_ops.rms_norm(x, w, 1e-6, True, isa=isa), ref.rms_norm_ref(x, w, 1e-6, True), **TOL[dtype])
 
 
 @isa_param
@@ -69,7 +69,7 @@ def test_gated_rms_norm(dtype, isa, close):
     gate = head_view(6, 3, 40, dtype)                     # z: a slice of the joined projection
     w = (1 + 0.1 * torch.randn(40)).to(dtype)
     out = decode_ops.gated_rms_norm(x, gate, w, 1e-6, dtype, isa=isa)
-    close(out, ref.gated_rms_norm(x, gate, w, 1e-6, dtype), **TOL[dtype])
+    close(out, ref.gated_rms_norm_ref(x, gate, w, 1e-6, dtype), **TOL[dtype])
 
 
 @isa_param
@@ -90,12 +90,12 @@ def test_comparisons_catch_plausible_bugs(differs):
     bf = torch.bfloat16
     x, w = torch.randn(4, 64).to(bf), (0.3 * torch.randn(64)).to(bf)
     out = decode_ops.rms_norm(x, w, 1e-6, True)
-    differs(out, ref.rms_norm(x, w, 1e-6, False), **TOL[bf])
-    differs(out, ref.rms_norm(x, w, 0.5, True), **TOL[bf])
+    differs(out, ref.rms_norm_ref(x, w, 1e-6, False), **TOL[bf])
+    differs(out, ref.rms_norm_ref(x, w, 0.5, True), **TOL[bf])
     g = (2 * torch.randn(3, 64)).to(bf)
     differs(decode_ops.silu_mul(g), F.silu(g[:, 32:]) * g[:, :32], **TOL[bf])
     xg, z = torch.randn(2, 2, 32).to(bf), torch.randn(2, 2, 32).to(bf)
-    differs(decode_ops.gated_rms_norm(xg, z, w[:32], 1e-6, bf), ref.rms_norm(xg, w[:32], 1e-6, False),
+    differs(decode_ops.gated_rms_norm(xg, z, w[:32], 1e-6, bf), ref.rms_norm_ref(xg, w[:32], 1e-6, False),
             **TOL[bf])
 
 

@@ -91,6 +91,57 @@ def test_int4_linear(group, dtype, close):
           atol=0.3 if dtype != torch.float32 else 1e-4)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("M", [1, 20])
+def test_split_k(kind, M, close):
+    """Few output tiles for the SMs (N = 70 on 4 stand-in SMs): K is split and the fp32 partials
+    summed; the result is the same matmul."""
+    N, K = 70, 1024
+    w, x = torch.randn(N, K), torch.randn(M, K)
+    BM, BN, BK, _ = qg.gemv_tiles(M, x.dtype)
+    split, per = qg.plan_split_k(-(-N // BN) * -(-M // BM), K, BK, x.device)
+    assert split > 1 and per % BK == 0 and split * per >= K
+    if kind == "int8":
+        q, s = quant.quantize_int8(w)
+        out, ref = qg.int8_linear(x, q, s), quant.int8_linear_ref(x, q, s)
+    else:
+        p, s = quant.quantize_int4(w, 64)
+        out, ref = qg.int4_linear(x, p, s, 64), quant.int4_linear_ref(x, p, s, 64)
+    close(out, ref, torch.float32, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_group_not_a_power_of_two(close):
+    """G = 96 (a multiple of 32): K tiles of 32, three per group."""
+    w, x = torch.randn(70, 384), torch.randn(3, 384)
+    p, s = quant.quantize_int4(w, 96)
+    close(qg.int4_linear(x, p, s, 96), quant.int4_linear_ref(x, p, s, 96), torch.float32,
+          rtol=1e-5, atol=1e-4)
+
+
+def test_int8_bf16_activations_fp32_output(close):
+    q, s = quant.quantize_int8(torch.randn(70, 256))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    out = qg.int8_linear(x, q, s, torch.float32)
+    assert out.dtype == torch.float32
+    close(out, quant.int8_linear_ref(x, q, s, torch.float32), torch.float32, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_lm_head_takes_model_dtype_activations(monkeypatch, close):
+    """The draft LM head feeds bf16 hidden states to the int8 GEMV (no fp32 copy: the fp32 FMA
+    path spills on a GPU) and still returns fp32 logits, exactly x.float() @ w^T."""
+    from backboard.layers.linear import Int8Linear
+    from backboard.ops import dispatch
+    lm = Int8Linear.from_weight(torch.randn(70, 64))
+    seen = []
+    real = dispatch.int8_linear
+    monkeypatch.setattr(dispatch, "int8_linear", lambda x, *a: seen.append(x.dtype) or real(x, *a))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = lm(x)
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32
+    close(y, x.float() @ quant.dequantize_int8(lm.qweight, lm.scales).t(), torch.float32,
+          rtol=1e-5, atol=1e-4)
+
+
 def test_comparisons_catch_plausible_bugs(differs):
     w, x = torch.randn(40, 128), torch.randn(3, 128)
     p, s = quant.quantize_int4(w, 32)
@@ -105,7 +156,7 @@ def test_kernels_reject_bad_arguments():
     q, s = quant.quantize_int8(torch.randn(8, 256))
     p, sc = quant.quantize_int4(torch.randn(8, 256), 64)
     with pytest.raises(ValueError, match="group_size"):
-        qg.int4_linear(x, p, sc, 48)
+        qg.int4_linear(x, p, sc, 48)                                 # not a multiple of 32
     with pytest.raises(ValueError, match="scales"):
         qg.int4_linear(x, p, sc[:, :2].contiguous(), 64)
     with pytest.raises(ValueError, match="int8"):

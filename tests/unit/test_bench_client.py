@@ -53,7 +53,9 @@ class FakeState:
         self.fail_every = 0  # every n-th completion request answers 500
         self.bad_json = False  # a broken line in the middle of each stream
         self.send_usage = True
+        self.usage_delay = 0.0  # between the last token chunk and the usage chunk
         self.requests: list[dict] = []
+        self.paths: list[str] = []
         self.headers: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -70,16 +72,23 @@ def make_app(state: FakeState):
     async def models():
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, chat: bool):
         body = await request.json()
         state.requests.append(body)
         state.headers.append(dict(request.headers))
+        state.paths.append(request.url.path)
         if state.fail_every and len(state.requests) % state.fail_every == 0:
             return JSONResponse({"error": "injected failure"}, status_code=500)
-        n = body["max_tokens"] if body.get("ignore_eos") else min(body["max_tokens"],
-                                                                    state.eos_after)
+        limit = body["max_completion_tokens"] if chat else body["max_tokens"]
+        n = limit if body.get("ignore_eos") else min(limit, state.eos_after)
         include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+
+        def choice(i: int) -> dict:
+            end = "length" if i == n - 1 else None
+            if chat:  # the first chunk also carries the role, as vLLM and llama-server send it
+                delta = {"content": f" t{i}"} | ({"role": "assistant"} if i == 0 else {})
+                return {"index": 0, "delta": delta, "finish_reason": end}
+            return {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": end}
 
         async def stream():
             state.in_flight += 1
@@ -89,13 +98,12 @@ def make_app(state: FakeState):
                 for i in range(n):
                     if i:
                         await asyncio.sleep(state.token_delay)
-                    choice = {"index": 0, "text": f" t{i}", "logprobs": None,
-                              "finish_reason": "length" if i == n - 1 else None}
-                    chunk = {"object": "text_completion", "choices": [choice]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    obj = "chat.completion.chunk" if chat else "text_completion"
+                    yield f"data: {json.dumps({'object': obj, 'choices': [choice(i)]})}\n\n"
                     if state.bad_json and i == 0:
                         yield "data: {not json\n\n"
                 if include_usage and state.send_usage:
+                    await asyncio.sleep(state.usage_delay)
                     usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -103,6 +111,14 @@ def make_app(state: FakeState):
                 state.in_flight -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
 
     return app
 
@@ -230,6 +246,42 @@ def test_payload_is_inferencex_s():
                  "stream_options": {"include_usage": True}, "ignore_eos": True}
 
 
+def _chat_chunk(content: str | None = "x", role: bool = False) -> str:
+    delta = {"content": content} | ({"role": "assistant"} if role else {})
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]})
+
+
+def test_chat_stream_reads_deltas_and_ends_at_the_usage_chunk():
+    """InferenceX's openai-chat reader: text from delta.content; every chunk, the usage one too,
+    moves the end of the request (E2EL), unlike the completions reader."""
+    from backboard.bench.client import StreamReader
+    from backboard.bench.metrics import RequestOutput
+
+    out = RequestOutput(prompt_len=7)
+    r = StreamReader(out, st=10.0, chat=True)
+    r.feed(_chat_chunk(None, role=True), 10.5)  # the role chunk is a token chunk: TTFT
+    r.feed(_chat_chunk("a"), 10.6)
+    r.feed(_chat_chunk("b"), 11.0)
+    r.feed("data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 2}}), 11.25)
+    r.feed("data: [DONE]", 12.0)
+    r.finish()
+    assert out.success and out.output_tokens == 2 and out.generated_text == "ab"
+    assert out.ttft == pytest.approx(0.5) and out.itl == pytest.approx([0.1, 0.4])
+    assert out.latency == pytest.approx(1.25)
+
+
+def test_chat_payload_is_inferencex_s():
+    from backboard.bench.client import BACKENDS, chat_payload
+    from backboard.bench.dataset import BenchRequest
+
+    p = chat_payload("m", BenchRequest("hello", 5, 17))
+    assert p == {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello"}]}], "temperature": 0.0, "max_completion_tokens": 17,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert BACKENDS["openai-chat"].path == "/v1/chat/completions" and BACKENDS["openai-chat"].chat
+    assert BACKENDS["vllm"].path == BACKENDS["openai"].path == "/v1/completions"
+
+
 # ---------------------------------------------------------------- over HTTP
 
 
@@ -285,6 +337,23 @@ def test_bench_serve_end_to_end(fake, tiny_model, tmp_path, capsys):
     assert r["median_ttft_ms"] >= 20.0  # the server waits 20 ms before the first token
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_chat_backend(fake, tiny_model, tmp_path):
+    """--backend openai-chat: every request goes to the chat endpoint as one user message, output
+    tokens come from the usage chunk, and the late usage chunk counts in E2EL."""
+    fake.state.usage_delay = 0.05
+    res_file = tmp_path / "r.json"
+    assert bench(fake.url, tiny_model, "--backend", "openai-chat", "--input-len", "16",
+                 "--output-len", "8", "--concurrency", "2", "--num-prompts", "6",
+                 "--result-file", str(res_file)) == 0
+    r = json.loads(res_file.read_text())
+    assert r["backend"] == "openai-chat" and r["completed"] == 6 and r["failed"] == 0
+    assert set(fake.state.paths) == {"/v1/chat/completions"}
+    timed = fake.state.requests[-6:]
+    assert all(q["messages"][0]["role"] == "user" and "prompt" not in q for q in timed)
+    assert r["total_output_tokens"] == sum(q["max_completion_tokens"] for q in timed)
+    assert r["median_e2el_ms"] >= 50.0  # the usage chunk comes 50 ms after the last token
 
 
 def test_bench_serve_without_usage_counts_no_tokens(fake, tiny_model, tmp_path):

@@ -58,7 +58,11 @@ def test_thirteen_metrics():
 def test_winners_margins_and_run_pairs(results):
     sc = build_scorecard(results, ours="backboard")
     assert sc["targets"] == ["backboard", "vllm"] and sc["competitors"] == ["vllm"]
-    assert sc["totals"] == {"vllm": {"wins": 4, "total": 26}}
+    assert {o: (t["wins"], t["total"]) for o, t in sc["totals"].items()} == {"vllm": (4, 26)}
+    by_metric = sc["totals"]["vllm"]["by_metric"]
+    assert by_metric["output_throughput"] == by_metric["median_ttft_ms"] == {"wins": 2, "total": 2}
+    assert by_metric["p99_tpot_ms"] == {"wins": 0, "total": 2}
+    assert sc["setups"]["vllm"] == {"backends": ["vllm"], "notes": []}
     p = sc["points"][0]
     assert (p["input_len"], p["output_len"], p["concurrency"]) == (128, 64, 4)
     assert p["runs"] == {"backboard": [1, 2, 3], "vllm": [1, 2, 3]}
@@ -83,7 +87,7 @@ def test_winners_margins_and_run_pairs(results):
 
 def test_other_side_and_missing_target(results):
     sc = build_scorecard(results, ours="vllm")
-    assert sc["totals"] == {"backboard": {"wins": 22, "total": 26}}
+    assert (sc["totals"]["backboard"]["wins"], sc["totals"]["backboard"]["total"]) == (22, 26)
     with pytest.raises(ValueError, match="targets found: backboard, vllm"):
         build_scorecard(results, ours="sglang")
 
@@ -113,6 +117,8 @@ def test_files_markdown_and_plots(results):
     assert "backboard vs vllm: 4/26 wins" in md
     assert "WIN +6.7%, agree 2/3" in md and "loss -100.0%, agree 3/3" in md
     assert "Failed runs" in md
+    assert md.startswith("# Scorecard")  # set up alike: nothing to say first
+    assert "| output tok/s | 2/2 |" in md and "| TPOT p99 (ms) | 0/2 |" in md
     assert json.load(open(os.path.join(out, "scorecard.json")))["totals"] == sc["totals"]
 
 
@@ -123,3 +129,33 @@ def test_cli_scorecard(results, capsys):
     assert "backboard vs vllm: 4/26 wins" in capsys.readouterr().out
     assert main(["bench", "scorecard", os.path.join(results, "nothing-here")]) == 2
     assert "no sweep results" in capsys.readouterr().err
+
+
+def test_three_engines_are_scored_against_each_competitor(tmp_path):
+    """Ours vs each competitor separately: its own tally of the 13 metrics per point. The scorecard
+    starts by saying where the set-ups differ (backend and the target's note)."""
+    d = str(tmp_path)
+    for run in (1, 2):
+        for isl in (256, 1024):
+            _write(d, _result("backboard", run, isl, 1, 50.0, lat=10.0))
+            _write(d, _result("vllm", run, isl, 1, 40.0, lat=20.0))  # ours wins all 13
+            llama = _result("llama-cpp", run, isl, 1, 60.0, lat=5.0)  # ours loses all 13
+            llama["backend"] = "openai-chat"
+            llama["sweep"]["server"] = {"note": "measured through\n  the chat endpoint"}
+            _write(d, llama)
+    sc, paths = write_scorecard(d, ours="backboard", plots=False)
+    assert sc["competitors"] == ["llama-cpp", "vllm"]
+    assert {o: (t["wins"], t["total"]) for o, t in sc["totals"].items()} == {
+        "vllm": (26, 26), "llama-cpp": (0, 26)}
+    assert sc["setups"]["llama-cpp"] == {"backends": ["openai-chat"],
+                                         "notes": ["measured through the chat endpoint"]}
+    md = open(paths[0]).read()
+    first = md.splitlines()[0]
+    assert first.startswith("> Configurations differ:")
+    assert "llama-cpp: InferenceX backend openai-chat; measured through the chat endpoint" in first
+    assert "backboard: InferenceX backend vllm" in first
+    assert "backboard vs llama-cpp: 0/26 wins" in md and "backboard vs vllm: 26/26 wins" in md
+    assert "| output tok/s | 0/2 | 2/2 |" in md
+    point = sc["points"][0]["metrics"]["median_tpot_ms"]
+    assert point["means"] == {"backboard": 10.0, "llama-cpp": 5.0, "vllm": 20.0}
+    assert not point["comparisons"]["llama-cpp"]["win"] and point["comparisons"]["vllm"]["win"]

@@ -79,10 +79,10 @@ def test_toml_definition_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("definition, message", [
     ({"tokenizer": "t",
-      "targets": [{"name": "a", "base_url": "http://h:1", "command": "x {nope}"}]},
+      "targets": [{"name": "a", "base_url": "http://127.0.0.1:1", "command": "x {nope}"}]},
      "unknown placeholder 'nope'"),
     ({"tokenizer": "t", "targets": [{"name": "a", "base_url": "h:1"}]}, "base URL must look like"),
-    ({"tokenizer": "t", "targets": [{"name": "a", "base_url": "http://h:1", "cmd": "x"}]},
+    ({"tokenizer": "t", "targets": [{"name": "a", "base_url": "http://127.0.0.1:1", "cmd": "x"}]},
      "unknown keys in target a"),
     ({"tokenizer": "t", "targets": [{"name": "a", "base_url": "http://h:1"}] * 2}, "unique"),
     ({"tokenizer": "t", "targets": []}, "no targets"),
@@ -108,6 +108,11 @@ def test_environment_info():
     assert env["cpu_count"] == os.cpu_count() and env["cpu_model"]
     assert "numpy" in env["packages"] and env["python"].count(".") == 2
     assert isinstance(env["gpus"], list)
+    # the ISA picks the CPU kernels: the figures of an AVX2 and an AVX512-BF16 machine differ
+    with open("/proc/cpuinfo") as f:
+        has_avx2 = " avx2 " in f.read()
+    assert ("avx2" in env["cpu_isa"]) == has_avx2
+    assert all(x.startswith(("avx2", "avx512", "amx", "fma")) for x in env["cpu_isa"])
 
 
 # ---------------------------------------------------------------- interleaving (no servers)
@@ -244,7 +249,7 @@ def test_port_already_taken(tmp_path, tiny_model, capsys):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, FAKE_SERVER, "--port", str(port)])
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a loaded machine starts Python slowly
         while not sw._answers(f"http://127.0.0.1:{port}/health", timeout=1.0):
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -260,40 +265,88 @@ def test_port_already_taken(tmp_path, tiny_model, capsys):
 # ---------------------------------------------------------------- the CPU preset
 
 
+def _fake_peers(tmp_path):
+    """A vLLM venv, a llama.cpp build and a benchmark checkpoint with its GGUF, as markers only
+    (present: nothing is set up, built or converted)."""
+    from backboard.bench.checkpoint import gguf_path
+
+    venv, llama, model = tmp_path / "venv", tmp_path / "llama", tmp_path / "model"
+    for d in (venv, llama, model):
+        d.mkdir()
+    (venv / ".backboard-ready").write_text("0.32.0")
+    (llama / ".backboard-ready").write_text("0.3.36")
+    (model / "backboard_bench.json").write_text("{}")
+    open(gguf_path(str(model)), "w").close()
+    return str(venv), str(llama), str(model)
+
+
 def test_cpu_preset_definition(tmp_path):
     from backboard.bench.presets import prepare_cpu_preset
 
-    venv, model = tmp_path / "venv", tmp_path / "model"
+    venv, llama, model = _fake_peers(tmp_path)
     with pytest.raises(sw.SweepError, match="setup_vllm_cpu.sh"):
-        prepare_cpu_preset(vllm_venv=str(venv), model_dir=str(model))
-    venv.mkdir()
-    (venv / ".backboard-ready").write_text("0.32.0")
-    model.mkdir()
-    (model / "config.json").write_text("{}")  # present: nothing is built
-    cfg = prepare_cpu_preset(vllm_venv=str(venv), model_dir=str(model), runs=3)
-    assert cfg.runs == 3 and cfg.tokenizer == str(model)
-    assert prepare_cpu_preset(vllm_venv=str(venv), model_dir=str(model)).runs == 2
-    assert (cfg.input_lens, cfg.output_len, cfg.concurrency) == ([64, 256], 32, [1, 4, 16, 64])
-    assert (cfg.prompts_per_concurrency, cfg.warmups_per_concurrency) == (2, 1)
-    ix = prepare_cpu_preset(vllm_venv=str(venv), model_dir=str(model), prompts_per_concurrency=10)
-    assert (ix.prompts_per_concurrency, ix.warmups_per_concurrency) == (10, 2)  # InferenceX's
-    bb, vl = cfg.targets
-    assert (bb.name, vl.name) == ("backboard", "vllm")
-    assert bb.argv[:5] == [sys.executable, "-m", "backboard.cli", "serve", str(model)]
-    assert vl.argv[:3] == [str(venv / "bin" / "vllm-cpu-serve"), "serve", str(model)]
+        prepare_cpu_preset(vllm_venv=str(tmp_path / "none"), llama_dir=llama, model_dir=model)
+    with pytest.raises(sw.SweepError, match="setup_llama_cpp.sh"):
+        prepare_cpu_preset(vllm_venv=venv, llama_dir=str(tmp_path / "none"), model_dir=model)
+    cfg = prepare_cpu_preset(vllm_venv=venv, llama_dir=llama, model_dir=model)
+    # issue 11's preset: InferenceX's prompt counts, inputs 256 / 1024, output 64, 2 runs
+    assert (cfg.input_lens, cfg.output_len, cfg.concurrency) == ([256, 1024], 64, [1, 4, 16, 64])
+    assert (cfg.runs, cfg.prompts_per_concurrency, cfg.warmups_per_concurrency) == (2, 10, 2)
+    assert cfg.tokenizer == model
+    bb, vl, lc = cfg.targets
+    assert (bb.name, vl.name, lc.name) == ("backboard", "vllm", "llama-cpp")
+    assert (bb.backend, vl.backend, lc.backend) == ("vllm", "vllm", "openai-chat")
+    assert "chat" in lc.note and bb.note is None
+    assert bb.argv[:5] == [sys.executable, "-m", "backboard.cli", "serve", model]
+    assert vl.argv[:3] == [os.path.join(venv, "bin", "vllm-cpu-serve"), "serve", model]
+    assert lc.argv[:3] == [os.path.join(llama, "bin", "llama-server"), "-m", model + "-bf16.gguf"]
     for t in (bb, vl):
         args = " ".join(t.argv)
-        assert "--max-num-seqs 64" in args and "--max-model-len 308" in args
-        assert t.base_url.split(":")[-1] in args
-    assert "--no-enable-prefix-caching" in vl.argv and "--dtype bfloat16" in " ".join(vl.argv)
-    assert "--dtype float32" in " ".join(bb.argv)  # the same bf16 weights, computed in fp32
-    bf = prepare_cpu_preset(vllm_venv=str(venv), model_dir=str(model),
-                            variables={"backboard_dtype": "bfloat16"})
-    assert "--dtype bfloat16" in " ".join(bf.targets[0].argv)
-    assert vl.env["PYTHONPATH"] == str(venv / "stubs")
+        assert "--max-num-seqs 64" in args and "--max-model-len 1108" in args
+        assert "--dtype bfloat16" in args  # both serve bf16 by default
+    # both cores for every engine
+    assert "--cpu-threads 2" in " ".join(bb.argv)
     assert vl.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    assert vl.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "VLLM_CPU_KVCACHE_SPACE" in vl.env
-    # backboard alone needs no vLLM
-    only = prepare_cpu_preset(vllm_venv=str(tmp_path / "none"), model_dir=str(model),
-                              only=["backboard"])
+    assert vl.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    largs = " ".join(lc.argv)
+    assert "-t 2 -tb 2" in largs and "-np 64" in largs and f"-c {64 * 1108}" in largs
+    assert "--no-cache-prompt" in largs and "--no-enable-prefix-caching" in vl.argv
+    for t in cfg.targets:
+        assert t.base_url.split(":")[-1] in " ".join(t.argv)
+    assert vl.env["PYTHONPATH"] == os.path.join(venv, "stubs")
+    assert "VLLM_CPU_KVCACHE_SPACE" in vl.env
+    fp = prepare_cpu_preset(vllm_venv=venv, llama_dir=llama, model_dir=model,
+                            variables={"backboard_dtype": "float32"})
+    assert "--dtype float32" in " ".join(fp.targets[0].argv)
+
+
+def test_cpu_preset_quick_and_overrides(tmp_path):
+    from backboard.bench.presets import prepare_cpu_preset
+
+    venv, llama, model = _fake_peers(tmp_path)
+    q = prepare_cpu_preset(vllm_venv=venv, llama_dir=llama, model_dir=model, quick=True)
+    assert (q.runs, q.input_lens, q.concurrency) == (1, [256], [1, 4])
+    assert (q.prompts_per_concurrency, q.warmups_per_concurrency) == (2, 1)
+    # the servers are sized for the points that run
+    assert "--max-num-seqs 4" in " ".join(q.targets[0].argv) and "-np 4" in " ".join(
+        q.targets[2].argv)
+    o = prepare_cpu_preset(vllm_venv=venv, llama_dir=llama, model_dir=model, quick=True,
+                           overrides={"runs": 3, "concurrency": None,
+                                      "prompts_per_concurrency": 5})
+    assert (o.runs, o.concurrency, o.prompts_per_concurrency, o.warmups_per_concurrency) == (
+        3, [1, 4], 5, 1)
+    # a peer left out needs no set-up (and no GGUF)
+    only = prepare_cpu_preset(vllm_venv=str(tmp_path / "none"), llama_dir=str(tmp_path / "none"),
+                              model_dir=model, only=["backboard"])
     assert [t.name for t in only.targets] == ["backboard"]
+
+
+def test_target_backend_is_checked(tmp_path):
+    defn = {"tokenizer": "t", "targets": [{"name": "a", "base_url": "http://127.0.0.1:1",
+                                           "backend": "openai-chat", "note": "why"}]}
+    t = sw.build_config(defn).targets[0]
+    assert (t.backend, t.note) == ("openai-chat", "why")
+    assert sw.server_info(t)["backend"] == "openai-chat"
+    defn["targets"][0]["backend"] = "tgi"
+    with pytest.raises(sw.SweepError, match="unknown backend 'tgi'"):
+        sw.build_config(defn)

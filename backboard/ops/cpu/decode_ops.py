@@ -5,12 +5,12 @@ RMSNorm (plain, Norm0, with the residual add), the GDN gated output norm and SiL
 Every function has the signature of its torch reference and returns the same thing (to the
 rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
 
-    ops.gdn.decode.gdn_decode_ref         -> gdn_decode
-    ops.attention.paged_attention_uniform -> paged_attention_decode
-    ops.norm.rms_norm                     -> rms_norm
-    ops.norm.fused_add_rms_norm_ref       -> fused_add_rms_norm
-    ops.norm.gated_rms_norm               -> gated_rms_norm
-    ops.activation.silu_mul_ref           -> silu_mul
+    ops.gdn.decode.gdn_decode_ref              -> gdn_decode
+    ops.attention.paged_attention_decode_ref   -> paged_attention_decode
+    ops.norm.rms_norm_ref                      -> rms_norm
+    ops.norm.fused_add_rms_norm_ref            -> fused_add_rms_norm
+    ops.norm.gated_rms_norm_ref                -> gated_rms_norm
+    ops.activation.silu_mul_ref                -> silu_mul
 
 The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
 this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
@@ -74,14 +74,14 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, *, isa: str | None = None) -> torch.Tensor:
-    """See ops.attention.paged_attention_uniform: q [B, L, nh, D] -> [B, L, nh, D]."""
+    """See ops.attention.paged_attention_decode_ref: q [B, L, nh, D] -> [B, L, nh, D]."""
     return _mod(isa).paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
                                             max_seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, *,
              isa: str | None = None) -> torch.Tensor:
-    """See ops.norm.rms_norm: x [..., N] -> [..., N]."""
+    """See ops.norm.rms_norm_ref: x [..., N] -> [..., N]."""
     return _mod(isa).rms_norm(x, weight, eps, zero_centered)
 
 
@@ -94,7 +94,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype, *, isa: str | None = None) -> torch.Tensor:
-    """See ops.norm.gated_rms_norm: x, gate [T, nh, N] -> [T, nh, N] (out_dtype must be x's)."""
+    """See ops.norm.gated_rms_norm_ref: x, gate [T, nh, N] -> [T, nh, N] (out_dtype must be x's)."""
     if out_dtype != x.dtype:
         raise ValueError(f"gated_rms_norm: out_dtype {out_dtype} differs from x's {x.dtype}")
     return _mod(isa).gated_rms_norm(x, gate, weight, eps)

@@ -63,10 +63,14 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, mod=None) -> torch.Tensor:
-    """See ops.quant.int8_linear_ref: x [M, K] @ (int8 q [N, K] * scale [N])^T -> [M, N] in x's dtype."""
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype | None = None, *, mod=None) -> torch.Tensor:
+    """See ops.quant.int8_linear_ref: x [M, K] @ (int8 q [N, K] * scale [N])^T -> [M, N] in
+    out_dtype (default x's dtype)."""
     mod = mod or module()
-    return mod.linear_int8(x, q, scale, None, x.dtype == torch.float32, _panel(mod, x.shape[0], True))
+    out_dtype = out_dtype or x.dtype
+    y = mod.linear_int8(x, q, scale, None, out_dtype == torch.float32, _panel(mod, x.shape[0], True))
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int, *,

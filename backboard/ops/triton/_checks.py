@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class HostCompile:
+    """Set by ops.triton.host_compile.recording(): launchers accept CPU tensors (their kernels are
+    specialised and recorded, never run) and plan for `num_sms` streaming multiprocessors."""
+
+    active: bool = False
+    num_sms: int = 132
 
 
 def _fail(op: str, msg: str) -> None:
@@ -59,7 +68,7 @@ def check_devices(op: str, kernel: Any, **tensors: torch.Tensor | None) -> torch
     bad = {n: str(d) for n, d in devs.items() if d != first}
     if bad:
         _fail(op, f"all tensors must be on one device; {first} vs {bad}")
-    if first.type != "cuda" and not interpreted(kernel):
+    if first.type != "cuda" and not (HostCompile.active or interpreted(kernel)):
         _fail(op, f"tensors are on {first}, but Triton kernels need CUDA tensors; on a CPU, set "
                   "TRITON_INTERPRET=1 before backboard.ops.triton is imported (tests), or call the "
                   "torch reference (backboard.ops.dispatch picks it automatically)")
@@ -71,7 +80,13 @@ def next_pow2(n: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 for an H100/H200; a stand-in on CPU)."""
+    """Streaming multiprocessors of a CUDA device (132 for an H100/H200; a stand-in on CPU, or
+    the recorded target's count while recording launches)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return HostCompile.num_sms if HostCompile.active else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -24,7 +24,7 @@ destination may equal the source (plain decode: dst_slots = src_slots). Differen
 not share slots (one request's destination being another's source would race).
 
 Rounding follows the torch composition (backboard.ops.gdn.decode.gdn_decode_ref): conv output and
-core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm.
+core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm_ref.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          next_pow2)
+from backboard.ops.triton._checks import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, next_pow2
 from backboard.ops.triton.norm import gated_rms_norm
+
+# the rows per request change with the number of drafts, and the slot tensors are slices of the
+# step's arrays at any offset: neither is specialised (no recompiles while serving)
+_VARYING = dict(do_not_specialize=["L"], do_not_specialize_on_alignment=["src_ptr", "dst_ptr", "init_ptr"])
 
 
 def _check_heads(op: str, nk: int, nv: int, dk: int, dv: int) -> None:
@@ -45,7 +48,7 @@ def _check_heads(op: str, nk: int, nv: int, dk: int, dv: int) -> None:
         raise ValueError(f"{op}: head dims must be positive, got dk={dk}, dv={dv}")
 
 
-@triton.jit
+@triton.jit(**_VARYING)
 def _gdn_decode_conv_kernel(
     proj_ptr, stride_proj,            # [B*L, P]; qkv channels are columns 0..C-1
     w_ptr,                            # [C, K] contiguous
@@ -159,7 +162,7 @@ def gdn_decode_conv(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: t
     return out
 
 
-@triton.jit
+@triton.jit(**_VARYING)
 def _gdn_decode_recurrent_kernel(
     mixed_ptr, stride_mixed,          # [B*L, C] conv output: [q | k | v]
     proj_ptr, stride_proj,            # [B*L, P]: z at z_off, b at b_off, a at a_off
@@ -215,7 +218,7 @@ def _gdn_decode_recurrent_kernel(
         o = o.to(out_ptr.dtype.element_ty)                     # the core, rounded as the layer does
         if FUSE_NORM:
             # gated norm over the whole head (BV >= DV): rmsnorm(o) * w * silu(z), with the
-            # model-dtype roundings of ops.norm.gated_rms_norm
+            # model-dtype roundings of ops.norm.gated_rms_norm_ref
             of = o.to(tl.float32)
             var = tl.sum(of * of, axis=0) / DV
             y = (of * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -284,7 +287,7 @@ def gdn_decode_recurrent(mixed: torch.Tensor, proj: torch.Tensor, A_log: torch.T
         out, out.stride(0), L, C, C + nv * dv, C + nv * dv + nv, float(eps), float(dk) ** -0.5,
         R=nv // nk, KEY_DIM=nk * dk, DK=dk, DV=dv, BK=BK, BV=BV, FUSE_NORM=fuse,
         PER_POSITION=per_position, HAS_INIT_FLAGS=has_initial_state is not None,
-        num_warps=max(1, min(8, BK * BV // 1024)))
+        num_warps=max(1, min(16, BK * BV // 1024)))           # <= 32 state values per thread
     if fuse:
         return out
     z = proj[:, C:C + nv * dv].view(T, nv, dv)

@@ -1,0 +1,205 @@
+"""The engine process: EngineCore behind two ZeroMQ sockets (engine/transport.py).
+
+    run_engine_core (spawned)   connect; load the model; EngineReady or EngineStartFailed
+    EngineCoreProc.run          idle: block on input (or the front end's exit)
+                                busy: drain input; step(); one StepOutputs per step
+
+The process owns EngineCore and nothing else: no JSON, no tokenization, no client sockets. It
+busy-steps while it has work and blocks on its input socket when idle. It leaves when told to
+(Shutdown), when its parent process (the front end) is gone, or, on an error in the loop, after
+sending EngineFailed (then with exit code 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from backboard.config import EngineConfig
+from backboard.core.outputs import SchedulerStats
+from backboard.engine import messages as M
+from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, make_socket
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+
+
+class FrontEndGone(Exception):
+    """The front end's process ended: nobody is left to serve."""
+
+
+class EngineIO:
+    """The engine process's ends of the sockets (plain, blocking zmq), and the front end's
+    liveness (its process sentinel, polled with the input socket)."""
+
+    def __init__(self, addrs: EngineAddresses, identity: bytes = ENGINE_IDENTITY) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self.inp = make_socket(self.ctx, zmq.DEALER, addrs.input, bind=False, identity=identity)
+        self.out = make_socket(self.ctx, zmq.PUSH, addrs.output, bind=False)
+        self.enc, self.dec = M.encoder(), M.input_decoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.inp, zmq.POLLIN)
+        parent = mp.parent_process()
+        self.parent = parent.sentinel if parent is not None else None
+        if self.parent is not None:
+            self.poller.register(self.parent, zmq.POLLIN)
+        self.inp.send(b"")                          # announce this engine to the ROUTER
+
+    def send(self, msg: M.OutputMessage) -> None:
+        self.out.send(self.enc.encode(msg), copy=False)
+
+    def recv(self, block: bool) -> list[M.InputMessage]:
+        """Every input message waiting; with `block`, waits for at least one frame."""
+        ready = dict(self.poller.poll(None if block else 0))
+        if self.parent is not None and self.parent in ready:
+            raise FrontEndGone()
+        msgs: list[M.InputMessage] = []
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return msgs
+            msgs.extend(self.dec.decode(frame.buffer))
+
+    def close(self) -> None:
+        """Deliver what is queued (up to the linger time), then close."""
+        self.inp.close(linger=0)
+        self.out.close()
+        self.ctx.term()
+
+
+def run_engine_core(cfg: EngineConfig, addrs: EngineAddresses, log_level: str = "INFO",
+                    cpu_threads: int | None = None) -> None:
+    """Entry point of the engine process (spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the front end decides when to stop
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s [engine] %(levelname)s %(message)s")
+    io = EngineIO(addrs)
+    core = _start_core(cfg, cpu_threads, io)
+    code = 0 if core is None else _serve(core, io)
+    io.close()
+    if code:
+        os._exit(code)
+
+
+def _start_core(cfg: EngineConfig, cpu_threads: int | None, io: EngineIO):
+    """The EngineCore, announced as ready; None (after EngineStartFailed) when it cannot load."""
+    try:
+        _set_cpu_threads(cfg, cpu_threads)
+        from backboard.engine.engine_core import EngineCore
+
+        core = EngineCore(cfg)
+    except Exception as e:  # noqa: BLE001 - reported to the front end, which prints it
+        logger.debug("engine start-up failed", exc_info=True)
+        io.send(M.EngineStartFailed(type(e).__name__, str(e)))
+        return None
+    io.send(M.EngineReady(core.describe(), core.info()))
+    return core
+
+
+def _serve(core, io: EngineIO) -> int:
+    """Run the loop; the process's exit code."""
+    try:
+        EngineCoreProc(core, io).run()
+    except FrontEndGone:
+        logger.info("the front end is gone; exiting")
+    except Exception as e:  # noqa: BLE001
+        logger.error("engine loop failed:\n%s", traceback.format_exc())
+        io.send(M.EngineFailed(f"{type(e).__name__}: {e}"))
+        return 1
+    return 0
+
+
+def default_cpu_threads() -> int:
+    """All cores but one: the front end process needs one, and torch's spinning OpenMP threads
+    stall badly when a core they count on is taken."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _set_cpu_threads(cfg: EngineConfig, n: int | None) -> None:
+    if not cfg.device.startswith("cpu"):
+        return
+    if n is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return                                    # the user chose
+        n = default_cpu_threads()
+    import torch
+
+    torch.set_num_threads(n)
+    logger.info("engine process: %d CPU thread(s)", n)
+
+
+class EngineCoreProc:
+    """The loop of the engine process: drain input, step while there is work, send one message per
+    step; block on the input socket while idle."""
+
+    def __init__(self, core, io: EngineIO) -> None:
+        self.core, self.io = core, io
+        self.start = time.time()
+        self.step_time_s = 0.0
+        self.pending = M.StepOutputs()
+        self.last_stats: tuple[SchedulerStats, int] | None = None
+        self.last_stats_time = 0.0
+
+    def run(self) -> None:
+        while self._apply(self.io.recv(block=not self.core.has_unfinished_requests())):
+            if self.core.has_unfinished_requests():
+                self._step()
+            self._flush()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outs = self.core.step()
+        self.step_time_s += time.perf_counter() - t0
+        self.pending.outputs.extend(outs)
+
+    # ---- input ---------------------------------------------------------------------------
+    def _apply(self, msgs: list[M.InputMessage]) -> bool:
+        """Apply front-end messages in order; False on Shutdown."""
+        for m in msgs:
+            if isinstance(m, M.AddRequests):
+                self._add(m.requests)
+            elif isinstance(m, M.AbortRequests):
+                self.core.abort_requests(m.request_ids)   # the front end already forgot them
+            elif isinstance(m, M.StopRequests):
+                self.core.stop_requests(m.request_ids)
+            elif isinstance(m, M.Shutdown):
+                return False
+        return True
+
+    def _add(self, reqs) -> None:
+        now = time.time()
+        for r in reqs:
+            try:
+                self.core.add_request(r)
+                self.pending.received[r.request_id] = now
+            except ValueError as e:
+                self.pending.rejected.append((r.request_id, str(e)))
+
+    # ---- output --------------------------------------------------------------------------
+    def _flush(self) -> None:
+        msg = self.pending
+        msg.stats = self._stats_if_due()
+        if not msg.is_empty:
+            self.io.send(msg)
+            self.pending = M.StepOutputs()
+
+    def _stats_if_due(self) -> M.EngineStats | None:
+        """Stats on change, at most every STATS_INTERVAL_S while busy; always when going idle."""
+        now = time.time()
+        idle = not self.core.has_unfinished_requests()
+        if not idle and now - self.last_stats_time < STATS_INTERVAL_S:
+            return None
+        s = self.core.stats()
+        key = (s, self.core.num_steps)
+        if key == self.last_stats:
+            return None
+        self.last_stats, self.last_stats_time = key, now
+        return M.EngineStats(s, self.core.num_steps, self.step_time_s, now - self.start, now,
+                             self.core.num_tokens_generated, self.core.phase_times())

@@ -1,0 +1,72 @@
+"""`backboard draft train | quantize`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft", help="train or quantize a 4-bit draft head for speculative decoding")
+    dsub = p.add_subparsers(dest="draft_command", metavar="SUBCOMMAND")
+    t = dsub.add_parser("train", help="distil a draft head from the target on plain text, then quantize it")
+    t.add_argument("--model", required=True, help="target checkpoint folder")
+    t.add_argument("--data", required=False, help="plain-text file to train on")
+    t.add_argument("--out", required=True, help="folder for the draft head")
+    t.add_argument("--self-generate", type=int, default=0, metavar="N",
+                   help="also train on N continuations the target writes itself")
+    t.add_argument("--self-generate-tokens", type=int, default=128)
+    t.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    t.add_argument("--steps", type=int, default=None, help="train exactly this many steps instead")
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--group-size", type=int, default=64, help="int4 group size (a multiple of 32)")
+    t.add_argument("--init", choices=["mtp", "random"], default="mtp",
+                   help="start from the checkpoint's MTP head when it has one")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=run_train)
+    q = dsub.add_parser("quantize", help="the checkpoint's own MTP head as a 4-bit draft head")
+    q.add_argument("--model", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--group-size", type=int, default=64)
+    q.set_defaults(func=run_quantize)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from backboard.spec_decode.train import self_generated_text, train_draft_head
+
+    if not args.data and not args.self_generate:
+        print("error: give --data TEXT_FILE and/or --self-generate N", file=sys.stderr)
+        return 2
+    text = ""
+    if args.data:
+        try:
+            with open(args.data, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            print(f"error: cannot read --data: {e}", file=sys.stderr)
+            return 2
+    if args.self_generate:
+        text += "\n" + self_generated_text(args.model, args.self_generate, args.self_generate_tokens, args.seed)
+    try:
+        train_draft_head(args.model, text, args.out, minutes=args.minutes, steps=args.steps,
+                         seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                         group_size=args.group_size, init=args.init, seed=args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from backboard.spec_decode.train import quantize_mtp_head
+
+    try:
+        info = quantize_mtp_head(args.model, args.out, args.group_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the int4 MTP head to {args.out} ({info})")
+    return 0

@@ -1,0 +1,131 @@
+"""Our draft head: the MTP structure with 4-bit group-quantized weights (fp32 accumulation) and an
+INT8 LM head (per-channel scales) used only for drafting.
+
+Saved format (a folder, loaded with `{"method": "draft_head", "draft_model": DIR}`):
+
+    config.json                 {"format": "backboard-draft-head", "version": 1,
+                                 "hidden_size", "vocab_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "intermediate_size",
+                                 "group_sizes": {layer name: G}, "int8_lm_head": bool,
+                                 "base_model": path it was made from, "source": "train" | "mtp",
+                                 "stats": {...}}
+    draft_head.safetensors      for each linear layer NAME (e.g. "fc", "layers.0.self_attn.qkv_proj",
+                                 "layers.0.mlp.gate_up_proj"): NAME.qweight uint8 [out, in/2] and
+                                 NAME.scales fp32 [out, in/G] (ops/quant.py's int4 format);
+                                 norms in full precision under their parameter names;
+                                 lm_head.qweight int8 [vocab, hidden], lm_head.scales fp32 [vocab]
+                                 when int8_lm_head.
+The embedding is the target model's (shared, not saved)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from backboard.config import ConfigError, ModelConfig
+from backboard.layers.linear import Int4Linear, Int8Linear, Linear
+from backboard.models.mtp import MTPHead
+
+FORMAT = "backboard-draft-head"
+
+
+def _group_for(in_features: int, group_size: int) -> int:
+    for g in (group_size, 128, 64, 32):
+        if g <= group_size and in_features % g == 0 and g % 32 == 0:
+            return g
+    raise ValueError(f"no int4 group size (a multiple of 32 <= {group_size}) divides {in_features}")
+
+
+def _linears(head: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in head.named_modules() if isinstance(m, (Linear, Int4Linear))]
+
+
+def _set(module: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, leaf, new)
+
+
+def quantize_head(head: MTPHead, group_size: int = 64) -> dict[str, int]:
+    """Replace every linear layer of the head with its int4 form, in place. Returns the group
+    size chosen per layer."""
+    if any("experts" in n for n, _ in head.named_parameters()):
+        raise ValueError("draft heads with mixture-of-experts MLPs are not supported")
+    groups = {}
+    for name, lin in _linears(head):
+        g = _group_for(lin.in_features, group_size)
+        _set(head, name, Int4Linear.from_linear(lin, g))
+        groups[name] = g
+    return groups
+
+
+def save_draft_head(out_dir: str, head: MTPHead, groups: dict[str, int], cfg: ModelConfig,
+                    lm_head_weight: torch.Tensor | None, source: str, stats: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if lm_head_weight is not None:
+        lm = Int8Linear.from_weight(lm_head_weight.float().cpu())
+        sd["lm_head.qweight"], sd["lm_head.scales"] = lm.qweight, lm.scales
+    save_file(sd, os.path.join(out_dir, "draft_head.safetensors"), metadata={"format": FORMAT})
+    meta = {"format": FORMAT, "version": 1, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "group_sizes": groups,
+            "int8_lm_head": lm_head_weight is not None, "base_model": os.path.abspath(cfg.path),
+            "source": source, "stats": stats or {}}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def read_draft_config(path: str, mc: ModelConfig) -> dict:
+    cfg_path = os.path.join(path or "", "config.json")
+    if not path or not os.path.isfile(cfg_path):
+        raise ConfigError(f"draft head folder {path!r} has no config.json: create one with "
+                          "`backboard draft train` or `backboard draft quantize`")
+    with open(cfg_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{cfg_path} is not a Backboard draft head (format {meta.get('format')!r})")
+    for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if meta.get(key) != getattr(mc, key):
+            raise ConfigError(f"draft head {path} was made for {key}={meta.get(key)}, the model has "
+                              f"{getattr(mc, key)}: train it for this model")
+    return meta
+
+
+def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weight: torch.Tensor,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
+                    int8_lm_head: bool = True):
+    """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
+    one quantized from the target's (lm_head_weight [V, H]), or the target's own compute_logits
+    without int8_lm_head. -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V])."""
+    from safetensors.torch import load_file
+
+    meta = read_draft_config(path, mc)
+    with torch.device(device):
+        head = MTPHead(mc, dtype, attn_idx)
+    groups = meta["group_sizes"]
+    for name, lin in _linears(head):
+        if name not in groups:
+            raise ConfigError(f"draft head {path} lacks layer {name}")
+        _set(head, name, Int4Linear(lin.in_features, lin.output_sizes, groups[name]))
+    sd = load_file(os.path.join(path, "draft_head.safetensors"), device=device)
+    lm_sd = {k[len("lm_head."):]: sd.pop(k) for k in list(sd) if k.startswith("lm_head.")}
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"draft head {path} does not match its config: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+    head.eval()
+    if int8_lm_head:
+        lm = Int8Linear(mc.hidden_size, mc.vocab_size)
+        if lm_sd:
+            lm.qweight, lm.scales = lm_sd["qweight"], lm_sd["scales"]
+        else:
+            lm = Int8Linear.from_weight(lm_head_weight)
+        lm = lm.to(device)
+        return head, lm
+    return head, compute_logits

@@ -1,0 +1,104 @@
+"""Drafting with an MTP-structured head: the checkpoint's own MTP head (method "mtp") or our
+4-bit draft head with its INT8 LM head (method "draft_head").
+
+After every target step:
+  catch-up: the head runs over each request's rows of this step whose next token is known
+    (row at position i gets embed(t_{i+1}) and the target's hidden h_i), writing its KV cache at
+    the same positions as the target (same block table);
+  draft 1: from the head's output at the last such row (it predicts the token after the newest);
+  drafts 2..k: one decode step of the head per draft, fed its own previous draft and hidden.
+Drafts are greedy (the argmax of the head): the rejection sampler treats them as one-hot
+proposals, which keeps sampling exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backboard.config import EngineConfig
+from backboard.forward_context import set_forward_context
+from backboard.spec_decode.proposer import Proposer, ProposerContext
+from backboard.worker.input_batch import build_step
+from backboard.worker.step import StepPlan
+
+
+class MTPProposer(Proposer):
+    num_extra_attn_layers = 1
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        super().__init__(cfg)
+        self.head = None
+        self.lm_head = None
+
+    def bind(self, ctx: ProposerContext) -> None:
+        super().bind(ctx)
+        mc = self.cfg.model
+        attn_idx = len(mc.attn_layer_ids)
+        dev = str(ctx.device)
+        if self.cfg.spec.method == "mtp":
+            from backboard.models.mtp import load_mtp_head
+
+            self.head = load_mtp_head(mc, ctx.dtype, attn_idx, dev)
+            self.lm_head = ctx.compute_logits
+        else:
+            from backboard.spec_decode.draft_head import load_draft_head
+
+            self.head, self.lm_head = load_draft_head(
+                self.cfg.spec.draft_model, mc, ctx.dtype, ctx.lm_head_weight, ctx.compute_logits, attn_idx, dev,
+                int8_lm_head=self.cfg.spec.int8_lm_head)
+
+    # ---------------------------------------------------------------------------------------
+    def _forward(self, ids: np.ndarray, hidden: torch.Tensor, q_lens: np.ndarray, num_computed: np.ndarray,
+                 rows: np.ndarray) -> torch.Tensor:
+        """The head over a flat batch: ids [T], hidden [T, H]; requests (input-batch rows) with
+        q_lens rows each starting at num_computed. Returns the head's hidden [T, H]."""
+        ctx = self.ctx
+        b = ctx.batch
+        block_table = b.block_table[rows, :int(b.num_blocks[rows].max())]
+        step = build_step(ids, q_lens, num_computed, block_table, np.zeros(len(rows), dtype=np.int64),
+                          None, ctx.block_size, ctx.device)
+        with set_forward_context(step.meta, ctx.caches):
+            return self.head(ctx.embed(step.input_ids), hidden.to(ctx.dtype), step.meta.positions)
+
+    @torch.inference_mode()
+    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        b = self.ctx.batch
+        n_after = b.num_tokens[plan.rows]
+        v = np.minimum(plan.q_lens, n_after - 1 - plan.num_computed)     # rows with a known next token
+        qsl = plan.inputs.query_start_loc
+        rows_idx = np.concatenate([np.arange(qsl[i], qsl[i] + v[i]) for i in range(len(v))])
+        tok_rows = np.repeat(plan.rows, v)
+        pos = np.concatenate([np.arange(plan.num_computed[i], plan.num_computed[i] + v[i]) for i in range(len(v))])
+        ids = b.token_ids[tok_rows, pos + 1]
+        # batch order of the catch-up: requests keep the target's order (v may differ from q)
+        h = hidden[torch.from_numpy(rows_idx).to(hidden.device)]
+        order = np.argsort(v != 1, kind="stable")       # one-row requests first (uniform group)
+        if not np.all(order == np.arange(len(v))):
+            starts = np.concatenate([[0], np.cumsum(v)[:-1]])
+            perm = np.concatenate([np.arange(starts[i], starts[i] + v[i]) for i in order])
+            ids, h = ids[perm], h[torch.from_numpy(perm).to(h.device)]
+            v_o, nc_o, rows_o = v[order], plan.num_computed[order], plan.rows[order]
+        else:
+            v_o, nc_o, rows_o = v, plan.num_computed, plan.rows
+        out = self._forward(ids, h, v_o, nc_o, rows_o)
+        # the head's output at each request's last caught-up row (the source of draft 1)
+        ends = np.cumsum(v_o) - 1
+        last = out[torch.from_numpy(ends).to(out.device)]
+        self._last_hidden = torch.empty_like(last)
+        self._last_hidden[torch.from_numpy(order).to(out.device)] = last
+        self._last_pos = plan.num_computed + v - 1                      # [B] position of that row
+
+    @torch.inference_mode()
+    def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
+        h = self._last_hidden[torch.from_numpy(who).to(self._last_hidden.device)]
+        pos = self._last_pos[who]
+        rows = plan.rows[who]
+        drafts = []
+        tok = self.lm_head(h).argmax(-1)                                  # draft 1
+        drafts.append(tok)
+        for j in range(1, k):
+            ones = np.ones(len(who), dtype=np.int64)
+            h = self._forward(tok.cpu().numpy(), h, ones, pos + j, rows)
+            tok = self.lm_head(h).argmax(-1)
+            drafts.append(tok)
+        return torch.stack(drafts, dim=1).tolist()
