@@ -364,6 +364,9 @@ class EngineArgs:
     scheduling_policy: str = _setting("fcfs", "the waiting queue's order", choices=("fcfs", "priority"))
     long_prefill_token_threshold: int = _setting(0, "cap on the tokens one prefill takes per step (0: none)")
     enforce_eager: bool = _setting(False, "no CUDA graphs")
+    cpu_threads: int | None = _setting(
+        None, "CPU: compute threads of the engine (default: every core this process may run on, or "
+              "$OMP_NUM_THREADS; the HTTP front end keeps one torch thread)")
     served_model_name: str | None = _setting(None, "the model's name in responses", cli=False)
 
     @classmethod
@@ -385,6 +388,7 @@ class EngineConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None            # defaults to the model folder
     enforce_eager: bool = False             # no CUDA graphs
+    cpu_threads: int | None = None          # CPU: torch threads of the engine (None: every core)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -402,6 +406,8 @@ class EngineConfig:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(mc.max_model_len, 8192))
         spec = _check_spec(SpecConfig.parse(a.speculative_config), mc, model)
+        if a.cpu_threads is not None and a.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads (--cpu-threads) must be >= 1; got {a.cpu_threads}")
         return cls(
             model=mc,
             cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
@@ -417,6 +423,7 @@ class EngineConfig:
             served_model_name=a.served_model_name,
             tokenizer=a.tokenizer,
             enforce_eager=a.enforce_eager,
+            cpu_threads=a.cpu_threads,
         )
 
 

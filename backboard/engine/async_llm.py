@@ -60,11 +60,11 @@ class AsyncLLM:
     def __init__(self, cfg: EngineConfig, tokenizer, log_level: str = "info",
                  on_stats: Callable[[M.EngineStats], None] | None = None,
                  on_finished: Callable[[RequestStream], None] | None = None,
-                 cpu_threads: int | None = None, addresses: str | None = None) -> None:
+                 addresses: str | None = None) -> None:
         from backboard.engine.output_processor import InputProcessor, OutputProcessor
 
         self.cfg, self.tokenizer, self.log_level = cfg, tokenizer, log_level
-        self.cpu_threads, self.address_spec = cpu_threads, addresses
+        self.address_spec = addresses
         mc = cfg.model
         eos = tuple(dict.fromkeys(mc.eos_token_ids + tuple(tokenizer.eos_token_ids)))
         self.inputs = InputProcessor(tokenizer, cfg.scheduler.max_model_len, mc.vocab_size, eos)
@@ -97,7 +97,7 @@ class AsyncLLM:
         self._bind(EngineAddresses.parse(self.address_spec))
         ctx = mp.get_context("spawn")
         self._proc = ctx.Process(target=run_engine_core, name="backboard-engine", daemon=True,
-                                 args=(self.cfg, self._addrs, self.log_level, self.cpu_threads))
+                                 args=(self.cfg, self._addrs, self.log_level))
         self._proc.start()
         self.state = "starting"
         loop.add_reader(self._proc.sentinel, self._on_sentinel)

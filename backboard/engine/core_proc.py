@@ -24,6 +24,7 @@ import zmq
 from backboard.config import EngineConfig
 from backboard.core.outputs import SchedulerStats
 from backboard.engine import messages as M
+from backboard.engine.cpu_threads import set_engine_threads
 from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, make_socket
 
 logger = logging.getLogger(__name__)
@@ -75,23 +76,22 @@ class EngineIO:
         self.ctx.term()
 
 
-def run_engine_core(cfg: EngineConfig, addrs: EngineAddresses, log_level: str = "INFO",
-                    cpu_threads: int | None = None) -> None:
+def run_engine_core(cfg: EngineConfig, addrs: EngineAddresses, log_level: str = "INFO") -> None:
     """Entry point of the engine process (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the front end decides when to stop
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s [engine] %(levelname)s %(message)s")
     io = EngineIO(addrs)
-    core = _start_core(cfg, cpu_threads, io)
+    core = _start_core(cfg, io)
     code = 0 if core is None else _serve(core, io)
     io.close()
     if code:
         os._exit(code)
 
 
-def _start_core(cfg: EngineConfig, cpu_threads: int | None, io: EngineIO):
+def _start_core(cfg: EngineConfig, io: EngineIO):
     """The EngineCore, announced as ready; None (after EngineStartFailed) when it cannot load."""
     try:
-        _set_cpu_threads(cfg, cpu_threads)
+        set_engine_threads(cfg)                       # before the model loads
         from backboard.engine.engine_core import EngineCore
 
         core = EngineCore(cfg)
@@ -114,25 +114,6 @@ def _serve(core, io: EngineIO) -> int:
         io.send(M.EngineFailed(f"{type(e).__name__}: {e}"))
         return 1
     return 0
-
-
-def default_cpu_threads() -> int:
-    """All cores but one: the front end process needs one, and torch's spinning OpenMP threads
-    stall badly when a core they count on is taken."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def _set_cpu_threads(cfg: EngineConfig, n: int | None) -> None:
-    if not cfg.device.startswith("cpu"):
-        return
-    if n is None:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return                                    # the user chose
-        n = default_cpu_threads()
-    import torch
-
-    torch.set_num_threads(n)
-    logger.info("engine process: %d CPU thread(s)", n)
 
 
 class EngineCoreProc:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from backboard.config import EngineConfig
+from backboard.engine.cpu_threads import set_engine_threads
 from backboard.engine.engine_core import EngineCore
 from backboard.engine.output_processor import InputProcessor, OutputProcessor, ParentRequest, RequestOutput
 from backboard.engine.tokenizer import Tokenizer
@@ -22,6 +23,7 @@ class LLM:
         """`model`: a checkpoint folder; `settings`: the engine settings (the fields of
         backboard.config.EngineArgs: max_num_seqs, max_model_len, dtype, speculative_config, ...)."""
         self.config = EngineConfig.create(model, **settings)
+        set_engine_threads(self.config)           # in-process: this process computes the steps
         self.tokenizer = Tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         mc = self.config.model

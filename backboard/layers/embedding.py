@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backboard.ops import dispatch
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
@@ -28,4 +30,4 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weight).float()
+        return dispatch.linear(h, self.weight, out_dtype=torch.float32)

@@ -1,11 +1,13 @@
 """Linear layers. Weights are [out_features, in_features] in the model dtype; joined projections
-(q/k/v, gate/up, the four GDN inputs) are one weight whose rows are the parts, in order."""
+(q/k/v, gate/up, the four GDN inputs) are one weight whose rows are the parts, in order. Every
+forward goes through ops/dispatch.py (bf16 / int8 / int4 weights on the CPU: our C++ kernels)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from backboard.ops import dispatch
 
 
 class Linear(nn.Module):
@@ -19,7 +21,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dispatch.linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         """Split a joined output into its parts (views)."""
@@ -52,8 +54,6 @@ class Int4Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from backboard.ops import dispatch
-
         shape = x.shape
         y = dispatch.int4_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.group_size)
         return y.reshape(*shape[:-1], self.out_features)
@@ -80,7 +80,5 @@ class Int8Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from backboard.ops import dispatch
-
         # activations in the model dtype (exact), fp32 accumulation and logits
         return dispatch.int8_linear(x, self.qweight, self.scales, torch.float32)

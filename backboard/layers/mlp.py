@@ -48,9 +48,9 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(topi).tolist():
             tok, slot = torch.where(topi == e)
-            gu = F.linear(x[tok], self.w13[e])
+            gu = dispatch.linear(x[tok], self.w13[e])
             h = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
-            y = F.linear(h, self.w2[e]) * topv[tok, slot, None]
+            y = dispatch.linear(h, self.w2[e]) * topv[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared

@@ -1,4 +1,5 @@
-"""GPU-path selection: per call, a Triton kernel (ops/triton/) or its torch reference.
+"""Kernel selection: per call, a Triton kernel (ops/triton/) on CUDA, our C++ kernel (ops/cpu/) on
+the CPU, or the torch reference.
 
 Every entry point here has the signature of its torch reference and returns the same thing, so a
 layer calls `dispatch.x(...)` and never needs to know which one ran.
@@ -9,9 +10,16 @@ Selection (`use_triton(*tensors)`), read at every call:
                             the tensors are not on CUDA and TRITON_INTERPRET=1 is not set (the
                             interpreter runs kernels on CPU tensors: that is how tests run them)
   BACKBOARD_KERNELS=auto    (default, or unset) Triton when the tensors are on CUDA and triton
-                            imports; the torch reference otherwise
+                            imports; on CPU tensors our C++ kernels (below); the torch reference
+                            otherwise
 `override("torch" | "triton" | "auto")` does the same for a scope (benchmarks, tests) and wins
 over the environment.
+
+On CPU tensors in auto mode (`use_cpu_kernels`), entries with a C++ kernel run it when its family
+built for this CPU's instruction set (ops/cpu/build.py; BACKBOARD_CPU_KERNELS=0 turns them off):
+the GEMMs (ops/cpu/gemm: bf16 / int8 / int4 weights) and the fused decode ops (ops/cpu/decode_ops
+on float32 / bfloat16 tensors, `use_cpu_decode_ops`). Without a compiler the torch references
+run, and the build says so once. `prepare_cpu_kernels` builds both families at engine start-up.
 
 triton is never imported when this module is imported (it is a test-only dependency on a
 CPU install): the probe and the kernel modules are imported on first use.
@@ -21,16 +29,24 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
+import time
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from backboard.ops.activation import silu_mul_ref
 from backboard.ops.attention import paged_attention_decode_ref
+from backboard.ops.cpu import decode_ops as cpu_ops
+from backboard.ops.cpu import gemm as cpu_gemm
+from backboard.ops.cpu.build import kernels_enabled
 from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
+
+logger = logging.getLogger(__name__)
 
 MODES = ("auto", "triton", "torch")
 ENV_VAR = "BACKBOARD_KERNELS"
@@ -106,6 +122,47 @@ def override(mode: str) -> Iterator[None]:
         _override = prev
 
 
+def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether a C++ CPU kernel may run for these tensors: auto mode, all on the CPU, kernels not
+    turned off. The caller still needs its family to have built (its module is not None)."""
+    return (kernel_mode() == "auto" and bool(tensors) and all(t.is_cpu for t in tensors)
+            and kernels_enabled())
+
+
+def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the C++ decode op runs (called after use_triton said no): use_cpu_kernels, float32 /
+    bfloat16, no autograd through them (draft-head training differentiates the norms and the MLP:
+    the references do that), and the family built (compiled on first use, cached)."""
+    if x.dtype not in cpu_ops.DTYPES or not use_cpu_kernels(x, *others):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
+        return False
+    return cpu_ops.available()
+
+
+def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """Build (first use, minutes) or load (cached) the CPU kernel families the forward will use,
+    at engine start-up rather than inside its first step; logs which path runs (a failed build
+    has already said so once). A no-op off the CPU or with the kernels turned off."""
+    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled():
+        return
+    if dtype not in cpu_ops.DTYPES:
+        return
+    t0 = time.monotonic()
+    gemm, ops = cpu_gemm.module(), cpu_ops.kernels()    # GEMM: bf16 weights, int8/int4 draft heads
+    if gemm is not None or ops is not None:
+        logger.info("CPU kernels ready in %.1f s: GEMM %s, decode ops %s", time.monotonic() - t0,
+                    gemm.isa() if gemm else "torch", ops.isa() if ops else "torch")
+
+
+def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):
+    """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
+    if not use_cpu_kernels(x, *weights):
+        return None
+    mod = cpu_gemm.module()
+    return mod if mod is not None and cpu_gemm.supports(x, *weights, group_size=group_size, mod=mod) else None
+
+
 def _kernels(name: str):
     """A kernel module of backboard.ops.triton, imported on first use."""
     return importlib.import_module(f"backboard.ops.triton.{name}")
@@ -118,7 +175,11 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
                has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
                num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
     """See gdn_decode_ref."""
-    fn = _kernels("gdn_decode").gdn_decode if use_triton(proj) else gdn_decode_ref
+    if use_triton(proj):
+        fn = _kernels("gdn_decode").gdn_decode
+    else:
+        same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
+        fn = cpu_ops.gdn_decode if same and use_cpu_decode_ops(proj) else gdn_decode_ref
     return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, src_slots,
               dst_slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
@@ -131,43 +192,73 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
                                                             seq_lens, max_seq_len, scale)
+    if use_cpu_decode_ops(q) and k_cache.dtype == q.dtype:
+        return cpu_ops.paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
+                                              max_seq_len, scale)
     return paged_attention_decode_ref(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """See ops.norm.rms_norm_ref."""
-    fn = _kernels("norm").rms_norm if use_triton(x) else rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").rms_norm(x, weight, eps, zero_centered)
+    fn = cpu_ops.rms_norm if weight.dtype == x.dtype and use_cpu_decode_ops(x, weight) else rms_norm_ref
     return fn(x, weight, eps, zero_centered)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """See fused_add_rms_norm_ref: returns (normed, x + residual)."""
-    fn = _kernels("norm").fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").fused_add_rms_norm(x, residual, weight, eps, zero_centered)
+    same = residual.dtype == weight.dtype == x.dtype
+    cpu = same and use_cpu_decode_ops(x, residual, weight)
+    fn = cpu_ops.fused_add_rms_norm if cpu else fused_add_rms_norm_ref
     return fn(x, residual, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """See ops.norm.gated_rms_norm_ref (x, gate [T, nh, N])."""
-    fn = _kernels("norm").gated_rms_norm if use_triton(x) else gated_rms_norm_ref
+    if use_triton(x):
+        return _kernels("norm").gated_rms_norm(x, gate, weight, eps, out_dtype)
+    same = gate.dtype == weight.dtype == out_dtype == x.dtype
+    fn = cpu_ops.gated_rms_norm if same and use_cpu_decode_ops(x, gate, weight) else gated_rms_norm_ref
     return fn(x, gate, weight, eps, out_dtype)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """See silu_mul_ref: [T, 2I] -> [T, I]."""
-    return _kernels("activation").silu_mul(x) if use_triton(x) else silu_mul_ref(x)
+    if use_triton(x):
+        return _kernels("activation").silu_mul(x)
+    return cpu_ops.silu_mul(x) if use_cpu_decode_ops(x) else silu_mul_ref(x)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear (x [..., K] @ weight [N, K]^T + bias -> [..., N]) in out_dtype (default x's).
+    bf16 weights on the CPU: the C++ kernel (fp32 accumulation, no bf16 rounding before out_dtype)."""
+    if weight.dtype == torch.bfloat16 and (mod := _cpu_gemm(x, weight)) is not None:
+        return cpu_gemm.linear_bf16(x, weight, bias, out_dtype, mod=mod)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See ops.quant.int8_linear_ref: x [M, K] @ (int8 [N, K] * scale [N])^T -> [M, N]."""
-    fn = _kernels("quant_gemm").int8_linear if use_triton(x) else int8_linear_ref
-    return fn(x, q, scale, out_dtype)
+    if use_triton(x):
+        return _kernels("quant_gemm").int8_linear(x, q, scale, out_dtype)
+    if (mod := _cpu_gemm(x, q, scale)) is not None:
+        return cpu_gemm.int8_linear(x, q, scale, out_dtype, mod=mod)
+    return int8_linear_ref(x, q, scale, out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """See ops.quant.int4_linear_ref: x [M, K] @ dequant(uint8 [N, K//2], [N, K//G])^T -> [M, N]."""
-    fn = _kernels("quant_gemm").int4_linear if use_triton(x) else int4_linear_ref
-    return fn(x, packed, scales, group_size)
+    if use_triton(x):
+        return _kernels("quant_gemm").int4_linear(x, packed, scales, group_size)
+    if (mod := _cpu_gemm(x, packed, scales, group_size=group_size)) is not None:
+        return cpu_gemm.int4_linear(x, packed, scales, group_size, mod=mod)
+    return int4_linear_ref(x, packed, scales, group_size)

@@ -43,9 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="results folders the page's scorecard viewer lists (default: "
                         "benchmarks/results of a source checkout)")
     add_engine_args(p)
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="CPU device: torch threads in the engine process (default: all cores but one, "
-                        "leaving one to the HTTP front end; or $OMP_NUM_THREADS)")
     p.set_defaults(func=run)
 
 
@@ -83,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.stream_interval < 1:
             raise StartupError(f"--stream-interval must be >= 1; got {args.stream_interval}")
-        if args.cpu_threads is not None and args.cpu_threads < 1:
-            raise StartupError(f"--cpu-threads must be >= 1; got {args.cpu_threads}")
         if not 0 < args.port < 65536:
             raise StartupError(f"--port must be in 1..65535; got {args.port}")
         if args.engine_address is not None:
@@ -104,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        cpu_threads=args.cpu_threads, engine_address=args.engine_address,
+                        engine_address=args.engine_address,
                         disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

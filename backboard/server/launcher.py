@@ -18,6 +18,7 @@ import uvicorn
 
 from backboard.config import EngineConfig
 from backboard.engine.async_llm import AsyncLLM
+from backboard.engine.cpu_threads import set_frontend_threads
 from backboard.engine.request_stream import EngineDeadError, EngineStartError
 from backboard.server.api import ServerState, build_app
 from backboard.server.metrics import ServerMetrics
@@ -37,7 +38,6 @@ class ServeOptions:
     log_level: str = "info"
     access_log: bool = False
     drain_timeout_s: float = 600.0
-    cpu_threads: int | None = None
     engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
     disable_frontend: bool = False
     scorecard_dir: str | None = None
@@ -86,6 +86,7 @@ def serve(cfg: EngineConfig, tokenizer, opts: ServeOptions) -> int:
     except OSError as e:
         print(f"error: cannot listen on {opts.host}:{opts.port}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 1
+    set_frontend_threads()      # the engine process computes on every core; nothing here competes
     try:
         return asyncio.run(_serve(cfg, tokenizer, opts, sock))
     finally:
@@ -110,7 +111,7 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
     names = list(opts.served_names) or [cfg.model.path]
     metrics = ServerMetrics(names[0], cfg.num_spec_tokens)
     engine = AsyncLLM(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
-                      on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads,
+                      on_finished=metrics.observe_finished,
                       addresses=opts.engine_address)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
                         api_key=opts.api_key, stream_interval=opts.stream_interval,

@@ -18,6 +18,7 @@ from backboard.constants import spec_token_margin
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
+from backboard.ops import dispatch
 from backboard.sample.metadata import SamplingParamsTable, SpecDecodeMetadata, build_sampling_metadata
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
@@ -40,6 +41,7 @@ class ModelRunner:
         t0 = time.time()
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
+        dispatch.prepare_cpu_kernels(self.device, self.dtype)   # build / load them now, not in a step
         self.block_size = cfg.cache.block_size
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
         self._allocate_caches(proposer.num_extra_attn_layers if proposer is not None else 0, use_graphs)

@@ -25,8 +25,8 @@ LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 async def _started(model: str, addresses: str | None = None) -> AsyncLLM:
-    cfg = EngineConfig.create(model, max_model_len=512, max_num_seqs=8)
-    engine = AsyncLLM(cfg, Tokenizer(model), log_level="warning", addresses=addresses, cpu_threads=1)
+    cfg = EngineConfig.create(model, max_model_len=512, max_num_seqs=8, cpu_threads=1)
+    engine = AsyncLLM(cfg, Tokenizer(model), log_level="warning", addresses=addresses)
     await engine.start()
     await asyncio.wait_for(engine.wait_ready(), 240)
     return engine

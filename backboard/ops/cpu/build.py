@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SRC_DIR = Path(__file__).parent
 ENV_DISABLE = "BACKBOARD_CPU_KERNELS"        # "0" / "off": never build, use torch references
+ISA_ENV = "BACKBOARD_CPU_ISA"                # force a lower level than the CPU's best
 
 # best first; each level runs on every CPU that has the flags listed
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -66,25 +68,31 @@ def cpu_model() -> str:
     return name or platform.processor() or platform.machine()
 
 
-def supported_isas() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def supported_isas() -> tuple[str, ...]:
     """Every level this CPU runs, best first ("portable" always last)."""
     flags = cpu_flags()
-    return [name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need)]
+    return tuple(name for name, (need, _) in ISA_LEVELS.items() if all(f in flags for f in need))
 
 
 def cpu_isa() -> str:
     """The best level this CPU runs (BACKBOARD_CPU_ISA=<level> forces a lower one)."""
-    forced = os.environ.get("BACKBOARD_CPU_ISA", "").strip().lower()
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
     levels = supported_isas()
     if forced:
         if forced not in levels:
-            raise ValueError(f"BACKBOARD_CPU_ISA={forced!r}: this CPU runs {', '.join(levels)}")
+            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU runs {', '.join(levels)}")
         return forced
     return levels[0]
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+    """False (logged once) when BACKBOARD_CPU_KERNELS turns the kernels off; read at every call,
+    so callers can check it per call (ops/dispatch.py does)."""
+    on = os.environ.get(ENV_DISABLE, "1").strip().lower() not in ("0", "off", "false", "no")
+    if not on:
+        _warn_once(f"{ENV_DISABLE}=0: CPU kernels disabled, running the torch references")
+    return on
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,26 +101,40 @@ def load_kernels(family: str, sources: tuple[str, ...], isa: str | None = None) 
     one ISA level; None (logged once) when kernels are disabled or the build fails."""
     isa = isa or cpu_isa()
     if not kernels_enabled():
-        _warn_once(f"{ENV_DISABLE}=0: CPU kernels disabled, running the torch references")
         return None
     try:
         return _build(family, tuple(str(SRC_DIR / s) for s in sources), isa)
     except Exception as e:  # noqa: BLE001 - no compiler, bad toolchain: the references still run
-        _warn_once(f"could not build the {family} CPU kernels ({type(e).__name__}: "
-                   f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
-                   "running the torch references (slower). Install a C++ compiler (g++) to fix.")
-        logger.debug("CPU kernel build failed", exc_info=True)
+        _report_build_failure(family, isa, e)
         return None
+
+
+_build_failed = False      # the first failed build warns; the others (more families, levels) log at debug
+
+
+def _report_build_failure(family: str, isa: str, e: Exception) -> None:
+    """Say once per process that the CPU kernels did not build and the torch references run."""
+    global _build_failed
+    last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    msg = (f"could not build the {family} CPU kernels for {isa} ({type(e).__name__}: {last}); "
+           "running the torch references (slower). Install a C++ compiler (g++) to fix.")
+    (logger.debug if _build_failed else logger.warning)(msg)
+    logger.debug("CPU kernel build failed", exc_info=True)
+    _build_failed = True
 
 
 def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
+    _remove_stale_locks(family, isa)
     _, mflags = ISA_LEVELS[isa]
     macro = f"-DBB_ISA_{isa.upper()}"
-    cflags = ["-O3", "-std=c++17", "-fopenmp", macro, *mflags]
-    # the sources' hash is in the name: an edited kernel never loads a stale build
-    digest = hashlib.sha1(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()[:8]
+    cflags = ["-O3", "-fopenmp", macro, *mflags]       # the C++ standard: cpp_extension's (torch's)
+    # the hash of the sources, this folder's headers and the flags is in the name: an edited
+    # kernel or header never loads a stale build
+    inputs = [Path(p).read_bytes() for p in paths]
+    inputs += [h.read_bytes() for h in sorted(SRC_DIR.glob("*.h"))] + [" ".join(cflags).encode()]
+    digest = hashlib.sha1(b"\0".join(inputs)).hexdigest()[:8]
     return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -120,3 +142,21 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def _warn_once(msg: str) -> None:
     logger.warning(msg)
+
+
+STALE_LOCK_S = 900      # no build takes this long: such a lock was left by a process killed mid-build
+
+
+def _remove_stale_locks(family: str, isa: str) -> None:
+    """torch waits forever on the lock file of a build whose process was killed; remove the
+    family's locks that are older than any build takes."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    for lock in root.glob(f"*/backboard_{family}_{isa}_*/lock"):      # <root>/py311_cpu/<name>/lock
+        try:
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                logger.warning("removing the stale build lock %s (a build was interrupted)", lock)
+                lock.unlink()
+        except OSError:
+            pass

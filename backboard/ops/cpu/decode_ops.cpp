@@ -1,0 +1,42 @@
+// The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
+// the GDN decode / verify step, paged decode attention, RMSNorm (+ residual), the GDN gated
+// norm and SiLU-mul. Each has the signature of its torch reference (the Python wrapper
+// backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
+#include <torch/csrc/utils/pybind.h>
+
+#include "gdn_decode.h"
+#include "norm_act.h"
+#include "paged_attention.h"
+
+namespace {
+
+const char* isa_name() {
+#if defined(BB_ISA_AVX512_BF16)
+  return "avx512_bf16";
+#elif defined(BB_ISA_AVX512)
+  return "avx512";
+#elif defined(BB_ISA_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Backboard fused CPU decode ops";
+  m.def("isa", &isa_name, "the instruction-set level this build was compiled for");
+  m.def("vector_lanes", [] { return bb::VF::N; }, "fp32 lanes of one SIMD vector in this build");
+  m.def("gdn_decode", &bb::gdn_decode, "GDN decode / verify step (see ops.gdn.decode.gdn_decode_ref)",
+        py::arg("proj"), py::arg("conv_weight"), py::arg("conv_state"), py::arg("A_log"),
+        py::arg("dt_bias"), py::arg("norm_weight"), py::arg("ssm_state"), py::arg("src_slots"),
+        py::arg("dst_slots"), py::arg("has_initial_state"), py::arg("num_k_heads"),
+        py::arg("num_v_heads"), py::arg("head_k_dim"), py::arg("head_v_dim"), py::arg("eps"));
+  m.def("paged_attention_decode", &bb::paged_attention_decode,
+        "paged attention of uniform groups (see ops.attention.paged_attention_uniform)");
+  m.def("rms_norm", &bb::rms_norm, "RMSNorm (see ops.norm.rms_norm)");
+  m.def("fused_add_rms_norm", &bb::fused_add_rms_norm, "residual add + RMSNorm (see ops.norm.fused_add_rms_norm_ref)");
+  m.def("gated_rms_norm", &bb::gated_rms_norm, "GDN output norm (see ops.norm.gated_rms_norm)");
+  m.def("silu_mul", &bb::silu_mul, "silu(gate) * up (see ops.activation.silu_mul_ref)");
+}

@@ -1,0 +1,105 @@
+"""The fused CPU decode ops (C++ in this folder: decode_ops.cpp and its headers), one call each
+where the torch references take several: the GDN decode / verify step, paged decode attention,
+RMSNorm (plain, Norm0, with the residual add), the GDN gated output norm and SiLU-mul.
+
+Every function has the signature of its torch reference and returns the same thing (to the
+rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
+
+    ops.gdn.decode.gdn_decode_ref              -> gdn_decode
+    ops.attention.paged_attention_decode_ref   -> paged_attention_decode
+    ops.norm.rms_norm_ref                      -> rms_norm
+    ops.norm.fused_add_rms_norm_ref            -> fused_add_rms_norm
+    ops.norm.gated_rms_norm_ref                -> gated_rms_norm
+    ops.activation.silu_mul_ref                -> silu_mul
+
+The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
+this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
+must be float32 or bfloat16 (`DTYPES`); bad arguments raise ValueError. Threads: torch's
+intra-op pool (torch.set_num_threads), over (request, head) tasks.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from backboard.ops.cpu.build import ISA_ENV, cpu_isa, load_kernels
+
+FAMILY = "decode_ops"
+SOURCES = ("decode_ops.cpp",)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+_by_env: dict[str | None, ModuleType | None] = {}     # $BACKBOARD_CPU_ISA -> module (hot path)
+
+
+def kernels(isa: str | None = None) -> ModuleType | None:
+    """The compiled extension for `isa` (None: this CPU's best level, or $BACKBOARD_CPU_ISA);
+    None when it cannot be built (logged once by build.py)."""
+    if isa is not None:
+        return load_kernels(FAMILY, SOURCES, isa)
+    key = os.environ.get(ISA_ENV)
+    if key not in _by_env:
+        _by_env[key] = load_kernels(FAMILY, SOURCES, cpu_isa())
+    return _by_env[key]
+
+
+def available(isa: str | None = None) -> bool:
+    return kernels(isa) is not None
+
+
+def _mod(isa: str | None) -> ModuleType:
+    mod = kernels(isa)
+    if mod is None:
+        raise RuntimeError(f"the {FAMILY} CPU kernels are not built (see the warning logged by "
+                           "backboard.ops.cpu.build); use the torch references")
+    return mod
+
+
+def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+               ssm_state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+               has_initial_state: torch.Tensor | None = None, *, num_k_heads: int,
+               num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
+               isa: str | None = None) -> torch.Tensor:
+    """See ops.gdn.decode.gdn_decode_ref: proj [B*L, C + nv*dv + 2*nv] -> [B*L, nv*dv]; the conv
+    and recurrent states of the destination slots are updated in place."""
+    return _mod(isa).gdn_decode(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
+                                ssm_state, src_slots, dst_slots, has_initial_state, num_k_heads,
+                                num_v_heads, head_k_dim, head_v_dim, eps)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float, *, isa: str | None = None) -> torch.Tensor:
+    """See ops.attention.paged_attention_decode_ref: q [B, L, nh, D] -> [B, L, nh, D]."""
+    return _mod(isa).paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
+                                            max_seq_len, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, *,
+             isa: str | None = None) -> torch.Tensor:
+    """See ops.norm.rms_norm_ref: x [..., N] -> [..., N]."""
+    return _mod(isa).rms_norm(x, weight, eps, zero_centered)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centered: bool, *, isa: str | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ops.norm.fused_add_rms_norm_ref: -> (rms_norm(x + residual), x + residual)."""
+    return _mod(isa).fused_add_rms_norm(x, residual, weight, eps, zero_centered)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype, *, isa: str | None = None) -> torch.Tensor:
+    """See ops.norm.gated_rms_norm_ref: x, gate [T, nh, N] -> [T, nh, N] (out_dtype must be x's)."""
+    if out_dtype != x.dtype:
+        raise ValueError(f"gated_rms_norm: out_dtype {out_dtype} differs from x's {x.dtype}")
+    return _mod(isa).gated_rms_norm(x, gate, weight, eps)
+
+
+def silu_mul(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
+    """See ops.activation.silu_mul_ref: [..., 2I] -> [..., I]."""
+    return _mod(isa).silu_mul(x)

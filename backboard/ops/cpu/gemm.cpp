@@ -1,0 +1,434 @@
+// y = x @ W^T (+ bias) for weights stored narrow (bf16, int8 per-channel, int4 grouped; formats in
+// backboard/ops/quant.py), widened in registers and accumulated in fp32.
+//
+//   x [M, K] fp32 or bf16 (rows may be strided, elements contiguous)
+//   W [N, K] as nn.Linear stores it (never repacked: the LM head is tied to the embedding)
+//   y [M, N] fp32 or bf16
+//
+// Two paths, chosen by the caller (backboard/ops/cpu/gemm.py):
+//   rows   decode (small M): each thread owns a range of output channels N; a tile of MB rows of
+//          x by NB channels keeps MB*NB fp32 vector accumulators in registers, so each weight
+//          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
+//          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
+//          products, fp32 accumulation); an fp32 x is never rounded to bf16.
+//   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
+//          parallel) and hand it to torch's fp32 GEMM (MKL / oneDNN), so prefill runs at the fp32
+//          matmul rate without a second fp32 copy of the weights.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "gemm_simd.h"
+
+namespace bb {
+namespace {
+
+// ---- weight formats: NV vectors (WV) of weights per STEP elements of K ----------------------------
+// load(n, k, out)   the weights of channel n at k .. k+STEP, paired with loadx(x + k + v * XLANES)
+// at(n, k)          the address of those weights (software prefetch)
+// scalar(n, k)      one weight as fp32 (the K tail), row_scale(n) applied after the dot product
+// widen(n, dst, K)  channel n as fp32 in natural order, row scale applied (the prefill panel)
+
+// x permuted in blocks of 2 VW (even elements, then odd: permute_x): a bf16 pair is widened by a
+// shift and an and, half the work of widening element by element
+struct Bf16W {                       // bf16 weights, fp32 activations
+  static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
+  using XT = float; using WV = VF; using XV = VF;
+  const uint16_t* w; int64_t ldw;
+  void load(int64_t n, int64_t k, WV* o) const { vload_bf16x2(w + n * ldw + k, o[0], o[1]); }
+  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
+  static XV loadx(const float* p) { return vload(p); }
+  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
+  static float xs(float v) { return v; }
+  float scalar(int64_t n, int64_t k) const { return bf16_to_f32(w[n * ldw + k]); }
+  float row_scale(int64_t) const { return 1.f; }
+  int64_t vector_k(int64_t K) const { return K - K % STEP; }
+  void widen(int64_t n, float* dst, int64_t K) const {
+    const uint16_t* s = w + n * ldw;
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) vstore(dst + k, vload_bf16(s + k));
+    for (; k < K; ++k) dst[k] = bf16_to_f32(s[k]);
+  }
+};
+
+struct Int8W {                       // int8 weights, fp32 scale per output channel
+  static constexpr int STEP = VW, NV = 1, XLANES = VW;
+  using XT = float; using WV = VF; using XV = VF;
+  const int8_t* q; int64_t ldq; const float* scale;
+  void load(int64_t n, int64_t k, WV* o) const { o[0] = vload_i8(q + n * ldq + k); }
+  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k; }
+  static XV loadx(const float* p) { return vload(p); }
+  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
+  static float xs(float v) { return v; }
+  float scalar(int64_t n, int64_t k) const { return float(q[n * ldq + k]); }
+  float row_scale(int64_t n) const { return scale[n]; }
+  int64_t vector_k(int64_t K) const { return K - K % STEP; }
+  void widen(int64_t n, float* dst, int64_t K) const {
+    const int8_t* s = q + n * ldq;
+    const float sc = scale[n];
+    for (int64_t k = 0; k < K; ++k) dst[k] = float(s[k]) * sc;
+  }
+};
+
+// int4: byte j holds element 2j (low nibble) and 2j+1 (high), stored as q + 8; one fp32 scale per
+// group of G elements. A step of 2*VW elements is one load of VW bytes giving the even elements
+// (lo) and the odd ones (hi), paired with x permuted as for Bf16W. Steps never straddle a group
+// when G % STEP == 0.
+struct Int4W {
+  static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
+  using XT = float; using WV = VF; using XV = VF;
+  const uint8_t* q; int64_t ldq; const float* sc; int64_t lds; int64_t G;
+  void load(int64_t n, int64_t k, WV* o) const {
+    VF s = vset1(sc[n * lds + k / G]);
+    VF m8 = vset1(-8.f * sc[n * lds + k / G]);
+    vload_u4(q + n * ldq + k / 2, o[0], o[1]);
+    o[0] = vfma(o[0], s, m8);         // (u - 8) * s
+    o[1] = vfma(o[1], s, m8);
+  }
+  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k / 2; }
+  static XV loadx(const float* p) { return vload(p); }
+  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
+  static float xs(float v) { return v; }
+  float scalar(int64_t n, int64_t k) const {
+    uint8_t b = q[n * ldq + k / 2];
+    int u = (k & 1) ? (b >> 4) : (b & 15);
+    return float(u - 8) * sc[n * lds + k / G];
+  }
+  float row_scale(int64_t) const { return 1.f; }
+  int64_t vector_k(int64_t K) const { return G % STEP == 0 ? K - K % STEP : 0; }
+  void widen(int64_t n, float* dst, int64_t K) const {
+    const uint8_t* s = q + n * ldq;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      float g = sc[n * lds + (2 * j) / G];
+      dst[2 * j] = float((s[j] & 15) - 8) * g;
+      dst[2 * j + 1] = float((s[j] >> 4) - 8) * g;
+    }
+  }
+};
+
+#if defined(BB_ISA_AVX512_BF16)
+struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16PS
+  static constexpr int STEP = 32, NV = 1, XLANES = 32;
+  using XT = uint16_t; using WV = __m512i; using XV = __m512i;
+  const uint16_t* w; int64_t ldw;
+  void load(int64_t n, int64_t k, WV* o) const {
+    o[0] = _mm512_loadu_si512(w + n * ldw + k);
+    asm volatile("" : "+v"(o[0]));   // keep it in a register: GCC otherwise reloads it for every row
+  }
+  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
+  static XV loadx(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static VF fma(VF acc, WV a, XV b) { return {_mm512_dpbf16_ps(acc.v, (__m512bh)b, (__m512bh)a)}; }
+  static float xs(uint16_t v) { return bf16_to_f32(v); }
+  float scalar(int64_t n, int64_t k) const { return bf16_to_f32(w[n * ldw + k]); }
+  float row_scale(int64_t) const { return 1.f; }
+  int64_t vector_k(int64_t K) const { return K - K % STEP; }
+};
+#endif
+
+// ---- register tiles ---------------------------------------------------------------------------
+// MB x NB for M >= 2 (accumulators + NB * NV weight vectors + one x vector fit the registers);
+// 1 x NB1 for one row, where more channels side by side keep more loads in flight
+#if defined(BB_SIMD_AVX512)
+constexpr int MB = 4, NB = 4, NB1 = 8;   // 16 + 8 + 1 of 32 registers
+#elif defined(BB_SIMD_AVX2)
+constexpr int MB = 4, NB = 2, NB1 = 4;   // 8 + 4 + 1 of 16 registers (2 x 4 is as fast, 1.1x slower at M = 1)
+#else
+constexpr int MB = 2, NB = 2, NB1 = 4;
+#endif
+
+// software prefetch of weights PF_TILES tiles ahead, into L2 (into L1 it was slower: the L1 miss
+// buffers fill up; measured on a Zen 4, 2x on the LM head's GEMV)
+constexpr int PF_TILES = 2;
+inline void prefetch(const void* p) {
+#if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 bias [N]
+  float* yf; uint16_t* yb; int64_t ldy; const float* bias;
+};
+
+// acc[i][j] = x[m0 + i] . W[n0 + j] for an mb x nb tile (compile-time sizes), then stored
+template <class F, int TM, int TN>
+inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, int64_t n0,
+                 int64_t K, int64_t kv, const Out& o) {
+  VF acc[TM][TN];
+  for (int i = 0; i < TM; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = vzero();
+  const typename F::XT* xm = x + m0 * ldx;
+  // rows are short (K = 512: 1 KiB) and a tile reads TN of them side by side: the hardware
+  // prefetchers lose track, so fetch the lines PF_TILES tiles ahead while this one computes
+  const std::ptrdiff_t pf = static_cast<const char*>(f.at(n0 + PF_TILES * TN, 0)) -
+                            static_cast<const char*>(f.at(n0, 0));
+  for (int64_t k = 0; k < kv; k += F::STEP) {
+    typename F::WV w[TN][F::NV];
+    for (int j = 0; j < TN; ++j) prefetch(static_cast<const char*>(f.at(n0 + j, k)) + pf);
+    for (int j = 0; j < TN; ++j) f.load(n0 + j, k, w[j]);
+    for (int v = 0; v < F::NV; ++v)
+      for (int i = 0; i < TM; ++i) {
+        typename F::XV xv = F::loadx(xm + i * ldx + k + v * F::XLANES);
+        for (int j = 0; j < TN; ++j) acc[i][j] = F::fma(acc[i][j], w[j][v], xv);
+      }
+  }
+  float sums[TM * TN];
+  if constexpr (TM * TN % VW == 0) {
+    for (int c = 0; c < TM * TN; c += VW) vsum_vw(&acc[0][0] + c, sums + c);
+  } else if constexpr (TM * TN % 8 == 0) {
+    for (int c = 0; c < TM * TN; c += 8) vsum_8(&acc[0][0] + c, sums + c);
+  } else {
+    for (int c = 0; c < TM * TN; ++c) sums[c] = vsum((&acc[0][0])[c]);
+  }
+  for (int i = 0; i < TM; ++i)
+    for (int j = 0; j < TN; ++j) {
+      const int64_t m = m0 + i, n = n0 + j;
+      float s = sums[i * TN + j];
+      for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(xm[i * ldx + k]);
+      s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
+      if (o.yf) o.yf[m * o.ldy + n] = s;
+      else o.yb[m * o.ldy + n] = f32_to_bf16(s);
+    }
+}
+
+// a tile of mb <= TM rows (the M tail picks the largest instance that fits)
+template <class F, int TM, int TN>
+inline void tile_rows(const F& f, int mb, const typename F::XT* x, int64_t ldx, int64_t m0,
+                      int64_t n0, int64_t K, int64_t kv, const Out& o) {
+  if constexpr (TM > 1) {
+    if (mb < TM) return tile_rows<F, TM - 1, TN>(f, mb, x, ldx, m0, n0, K, kv, o);
+  }
+  tile<F, TM, TN>(f, x, ldx, m0, n0, K, kv, o);
+}
+
+// every output channel, threads over blocks of TN channels; each block's tiles walk down M
+template <class F, int TM, int TN>
+void rows_tiled(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
+                const Out& o) {
+  const int64_t kv = f.vector_k(K);
+  const int64_t nblocks = (N + TN - 1) / TN;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * TN;
+      for (int64_t m0 = 0; m0 < M; m0 += TM) {
+        const int mb = int(std::min<int64_t>(TM, M - m0));
+        if (n0 + TN <= N) {
+          tile_rows<F, TM, TN>(f, mb, x, ldx, m0, n0, K, kv, o);
+        } else {
+          for (int64_t n = n0; n < N; ++n) tile_rows<F, TM, 1>(f, mb, x, ldx, m0, n, K, kv, o);
+        }
+      }
+    }
+  });
+}
+
+template <class F>
+void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
+               const Out& o) {
+  if (M == 1) rows_tiled<F, 1, NB1>(f, x, ldx, M, N, K, o);
+  else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
+}
+
+// prefill: widen NC channels at a time into an fp32 panel, fp32 GEMM into y32 [M, N] (strided)
+template <class F>
+void panel_path(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tensor& y32) {
+  const int64_t nc = std::min<int64_t>(N, std::max<int64_t>(64, ((int64_t(1) << 19) / K) / 16 * 16));
+  at::Tensor panel = at::empty({nc, K}, xf.options());
+  float* p = panel.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t rows = std::min(nc, N - n0);
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) f.widen(n0 + r, p + r * K, K);
+    });
+    at::Tensor out = y32.narrow(1, n0, rows);
+    at::mm_out(out, xf, panel.narrow(0, 0, rows).t());
+  }
+}
+
+// ---- argument handling ------------------------------------------------------------------------
+void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, op, ": x must be a 2-D CPU tensor [M, K], got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == K, op, ": x has K=", x.size(1), " but the weight has K=", K);
+}
+
+void check_w(const at::Tensor& w, at::ScalarType dt, const char* op) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == dt, op,
+              ": the weight must be a 2-D CPU ", dt, " tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, op, ": the weight's rows must be contiguous");
+}
+
+// x as fp32 with contiguous elements (a view when it already is); int4 wants the permuted copy
+at::Tensor x_fp32(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat && (x.stride(1) == 1 || x.size(1) <= 1)) return x;
+  return x.to(at::kFloat).contiguous();
+}
+
+at::Tensor permute_x(const at::Tensor& x, int64_t kv) {     // see Bf16W
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xp = xf.clone();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  const float* s = xf.data_ptr<float>();
+  float* d = xp.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < kv; k0 += 2 * VW)
+      for (int i = 0; i < VW; ++i) {
+        d[m * K + k0 + i] = s[m * K + k0 + 2 * i];
+        d[m * K + k0 + VW + i] = s[m * K + k0 + 2 * i + 1];
+      }
+  return xp;
+}
+
+at::Tensor bias_fp32(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ", bias->sizes());
+  return bias->to(at::kFloat).contiguous();
+}
+
+Out make_out(at::Tensor& y, const at::Tensor& b) {
+  Out o{nullptr, nullptr, y.size(1), b.defined() ? b.data_ptr<float>() : nullptr};
+  if (y.scalar_type() == at::kFloat) o.yf = y.data_ptr<float>();
+  else o.yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  return o;
+}
+
+// the shared tail of every entry point: rows (x fp32, widened weights) or panel
+template <class F>
+at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t N, int64_t K,
+               const c10::optional<at::Tensor>& bias, bool out_fp32, bool panel) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  at::Tensor b = bias_fp32(bias, N);
+  if (M == 0 || N == 0) return y;
+  if (panel) {
+    at::Tensor y32 = out_fp32 ? y : at::empty({M, N}, x.options().dtype(at::kFloat));
+    panel_path(f, x.to(at::kFloat).contiguous(), N, K, y32);
+    if (b.defined()) y32.add_(b);
+    if (!out_fp32) y.copy_(y32);
+    return y;
+  }
+  rows_path(f, xrows.data_ptr<float>(), xrows.stride(0), M, N, K, make_out(y, b));
+  return y;
+}
+
+// ---- entry points -----------------------------------------------------------------------------
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       bool out_fp32, bool panel) {
+  check_w(w, at::kBFloat16, "linear_bf16");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K, "linear_bf16");
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+#if defined(BB_ISA_AVX512_BF16)
+  if (!panel && x.scalar_type() == at::kBFloat16 && x.size(0) > 0 && N > 0) {
+    at::Tensor xb = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+    at::Tensor b = bias_fp32(bias, N);
+    rows_path(Bf16Dp{wp, w.stride(0)}, reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
+              xb.stride(0), x.size(0), N, K, make_out(y, b));
+    return y;
+  }
+#endif
+  Bf16W f{wp, w.stride(0)};
+  at::Tensor xr = panel ? x : permute_x(x, f.vector_k(K));
+  return run(f, x, xr, N, K, bias, out_fp32, panel);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, bool out_fp32, bool panel) {
+  check_w(q, at::kChar, "linear_int8");
+  const int64_t N = q.size(0), K = q.size(1);
+  check_x(x, K, "linear_int8");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "linear_int8: scale must be [", N, "], got ",
+              scale.sizes());
+  at::Tensor s = scale.to(at::kFloat).contiguous();
+  at::Tensor xr = panel ? x : x_fp32(x);
+  return run(Int8W{q.data_ptr<int8_t>(), q.stride(0), s.data_ptr<float>()}, x, xr, N, K, bias,
+             out_fp32, panel);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t group_size, bool out_fp32, bool panel) {
+  check_w(packed, at::kByte, "linear_int4");
+  const int64_t N = packed.size(0), K = 2 * packed.size(1);
+  check_x(x, K, "linear_int4");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0,
+              "linear_int4: group_size must be even and divide K=", K, "; got ", group_size);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
+              "linear_int4: scales must be [", N, ", ", K / group_size, "], got ", scales.sizes());
+  at::Tensor s = scales.to(at::kFloat).contiguous();
+  Int4W f{packed.data_ptr<uint8_t>(), packed.stride(0), s.data_ptr<float>(), s.size(1), group_size};
+  at::Tensor xr = panel ? x : permute_x(x, f.vector_k(K));
+  return run(f, x, xr, N, K, c10::nullopt, out_fp32, panel);
+}
+
+// sum of a bf16 tensor, threads over contiguous chunks: a pure streaming read, the memory floor
+// that benchmarks/cpu_kernels.py measures the GEMMs against
+double sum_bf16(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
+              "sum_bf16: a contiguous bf16 CPU tensor");
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  const int64_t chunk = 1 << 16, n = t.numel(), nchunks = (n + chunk - 1) / chunk;
+  std::vector<double> part(nchunks, 0.0);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * chunk, e = std::min(n, b + chunk);
+      VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      int64_t i = b;
+      for (; i + 4 * VW <= e; i += 4 * VW) {
+        a0 = vfma(vload_bf16(p + i), vset1(1.f), a0);
+        a1 = vfma(vload_bf16(p + i + VW), vset1(1.f), a1);
+        a2 = vfma(vload_bf16(p + i + 2 * VW), vset1(1.f), a2);
+        a3 = vfma(vload_bf16(p + i + 3 * VW), vset1(1.f), a3);
+      }
+      double s = double(vsum(a0)) + vsum(a1) + vsum(a2) + vsum(a3);
+      for (; i < e; ++i) s += bf16_to_f32(p[i]);
+      part[c] = s;
+    }
+  });
+  double s = 0.0;
+  for (double v : part) s += v;
+  return s;
+}
+
+const char* isa() {
+#if defined(BB_ISA_AVX512_BF16)
+  return "avx512_bf16";
+#elif defined(BB_ISA_AVX512)
+  return "avx512";
+#elif defined(BB_ISA_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+}  // namespace bb
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace pybind11::literals;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("linear_bf16", &bb::linear_bf16, "x [M,K] @ bf16 W [N,K]^T (+ bias)", "x"_a, "w"_a,
+        "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, nogil);
+  m.def("linear_int8", &bb::linear_int8, "x @ (int8 q [N,K] * scale [N])^T (+ bias)", "x"_a, "q"_a,
+        "scale"_a, "bias"_a = py::none(), "out_fp32"_a = true, "panel"_a = false, nogil);
+  m.def("linear_int4", &bb::linear_int4, "x @ dequant_int4(packed [N,K/2], scales [N,K/G])^T",
+        "x"_a, "packed"_a, "scales"_a, "group_size"_a, "out_fp32"_a = true, "panel"_a = false, nogil);
+  m.def("sum_bf16", &bb::sum_bf16, "sum of a bf16 tensor (a streaming read: the bandwidth probe)",
+        nogil);
+  m.def("isa", &bb::isa);
+  m.attr("VW") = bb::VW;
+  m.attr("INT4_STEP") = 2 * bb::VW;
+  m.attr("MB") = bb::MB;
+  m.attr("NB") = bb::NB;
+}

@@ -1,0 +1,90 @@
+"""Linear layers on narrow weights on the CPU: bf16, int8 (per channel) and int4 (grouped) weights
+widened in registers, fp32 accumulation (C++: gemm.cpp; weight formats: ops/quant.py).
+
+    y = linear_bf16(x, w, bias, out_dtype)           # x [M, K] fp32|bf16, w bf16 [N, K] -> [M, N]
+    y = int8_linear(x, q, scale)                     # same contract as ops.quant.int8_linear_ref
+    y = int4_linear(x, packed, scales, group_size)   # same contract as ops.quant.int4_linear_ref
+
+Each function takes `mod=`, the compiled family for one ISA level (`module(isa)`; tests run
+every level the CPU has), and picks the path by the number of rows M (POLICY):
+  rows    M <= rows_max: threads over output channels, MB x NB register tiles, each weight byte
+          read once per step for up to MB rows (the decode GEMV / small-M GEMM)
+  panel   larger M (prefill): weights widened a panel at a time into fp32 scratch and multiplied
+          by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
+  native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
+          (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
+The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, one Zen 4 core: with VDPBF16PS
+the rows path matches oneDNN's bf16 matmul up to M = 64-128; AVX2 rows match MKL's fp32 GEMM up to
+M = 128 and trail the panel path by ~10% at 256).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backboard.ops.cpu.build import cpu_isa, load_kernels
+
+FAMILY, SOURCES = "gemm", ("gemm.cpp",)
+X_DTYPES = (torch.float32, torch.bfloat16)
+
+# level: (rows path up to M rows for bf16 weights, for int8/int4 weights; above: panel, or
+# native for bf16 weights and bf16 activations where the CPU multiplies bf16 natively)
+POLICY = {"avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
+          "avx2": (64, 48, "panel"), "portable": (8, 8, "panel")}
+
+
+def module(isa: str | None = None):
+    """The compiled kernels for `isa` (default: the best level this CPU runs); None when they
+    cannot be built (logged once by build.load_kernels)."""
+    return load_kernels(FAMILY, SOURCES, isa or cpu_isa())
+
+
+def _panel(mod, M: int, quantized: bool) -> bool:
+    return M > POLICY[mod.isa()][int(quantized)]
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, *, mod=None) -> torch.Tensor:
+    """y = x @ w^T (+ bias), x [..., K] fp32 or bf16, w bf16 [N, K] -> [..., N] in out_dtype
+    (default x's dtype; fp32 or bf16)."""
+    mod = mod or module()
+    out_fp32 = (out_dtype or x.dtype) == torch.float32
+    x2 = x if x.dim() == 2 else _rows_2d(x)
+    large = _panel(mod, x2.shape[0], False)
+    if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
+        y = F.linear(x, w, bias)
+        return y.float() if out_fp32 else y
+    y = mod.linear_bf16(x2, w, bias, out_fp32, large)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype | None = None, *, mod=None) -> torch.Tensor:
+    """See ops.quant.int8_linear_ref: x [M, K] @ (int8 q [N, K] * scale [N])^T -> [M, N] in
+    out_dtype (default x's dtype)."""
+    mod = mod or module()
+    out_dtype = out_dtype or x.dtype
+    y = mod.linear_int8(x, q, scale, None, out_dtype == torch.float32, _panel(mod, x.shape[0], True))
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int, *,
+                mod=None) -> torch.Tensor:
+    """See ops.quant.int4_linear_ref: x [M, K] @ dequant(uint8 [N, K // 2], [N, K // G])^T."""
+    mod = mod or module()
+    return mod.linear_int4(x, packed, scales, group_size, x.dtype == torch.float32,
+                           _panel(mod, x.shape[0], True))
+
+
+def supports(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None, mod=None) -> bool:
+    """Whether these CPU tensors take the C++ path (else the caller runs the torch reference):
+    fp32/bf16 activations; int4 groups a whole number of vector steps (else every element would
+    take the kernels' scalar tail)."""
+    if x.dtype not in X_DTYPES or not x.is_cpu or not all(w.is_cpu for w in weights):
+        return False
+    return group_size is None or group_size % (mod or module()).INT4_STEP == 0

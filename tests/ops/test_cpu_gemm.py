@@ -1,0 +1,276 @@
+"""The C++ CPU GEMMs (ops/cpu/gemm.cpp) against the torch references, on every ISA level the tests
+build: this CPU's best, AVX2 and the portable one. Odd shapes on purpose: M = 1, 3, 17, 64, 100
+(full and partial register tiles, both paths), N not a multiple of the channel block, K not a
+multiple of the vector width (the scalar tail)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backboard.ops import dispatch, quant
+from backboard.ops.cpu import build, decode_ops, gemm
+
+LEVELS = list(dict.fromkeys(lv for lv in (build.cpu_isa(), "avx2", "portable")
+                            if lv in build.supported_isas()))
+ROWS = (1, 3, 17, 64, 100)
+
+
+@pytest.fixture(scope="session")
+def gemm_mods():
+    """Every tested level, built once per session (in parallel: each build takes ~30 s)."""
+    with ThreadPoolExecutor(len(LEVELS)) as ex:
+        mods = dict(zip(LEVELS, ex.map(gemm.module, LEVELS)))
+    assert all(mods.values()), f"a kernel build failed: {mods} (is g++ installed?)"
+    return mods
+
+
+@pytest.fixture(params=LEVELS)
+def mod(request, gemm_mods):
+    m = gemm_mods[request.param]
+    assert m.isa() == request.param
+    return m
+
+
+def _ref_bf16(x, w, bias=None):
+    y = x.float() @ w.float().t()
+    return y if bias is None else y + bias.float()
+
+
+def _close_fp32(y, ref):
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+@pytest.mark.parametrize("panel", [False, True], ids=["rows", "panel"])
+def test_bf16_weights_match_fp32_reference(mod, M, x_dtype, panel):
+    N, K = 67, 100 + mod.VW + 3                          # partial channel block, K tail
+    w, x, b = torch.randn(N, K).bfloat16(), torch.randn(M, K).to(x_dtype), torch.randn(N)
+    ref = _ref_bf16(x, w)
+    _close_fp32(mod.linear_bf16(x, w, None, True, panel), ref)
+    _close_fp32(mod.linear_bf16(x, w, b, True, panel), ref + b)
+    y16 = mod.linear_bf16(x, w, b.bfloat16(), False, panel)
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16, (ref + b.bfloat16().float()).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_strided_rows_and_batched_shapes(mod):
+    w = torch.randn(40, 72).bfloat16()
+    x = torch.randn(6, 2 * 72)[:, :72]                   # rows strided, elements contiguous
+    _close_fp32(mod.linear_bf16(x, w, None, True, False), _ref_bf16(x, w))
+    x3 = torch.randn(2, 5, 72).bfloat16()
+    y = gemm.linear_bf16(x3, w, mod=mod)
+    assert y.shape == (2, 5, 40) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), _ref_bf16(x3.reshape(10, 72), w).view(2, 5, 40),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_fp32_activations_are_not_rounded_to_bf16(mod):
+    """Weights in bf16, activations in fp32: products use the full fp32 x (a kernel that rounded x
+    to bf16, as VDPBF16PS would, loses the 2^-12 terms)."""
+    K = 256
+    w = torch.ones(8, K, dtype=torch.bfloat16)
+    x = torch.full((2, K), 1.0 + 2.0 ** -12)
+    y = mod.linear_bf16(x, w, None, True, False)
+    assert torch.all(y == K * (1.0 + 2.0 ** -12)), y[0, 0].item()
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+def test_int8_matches_reference(mod, M, x_dtype):
+    N, K = 45, 2 * mod.VW + 5
+    q, s = quant.quantize_int8(torch.randn(N, K))
+    x = torch.randn(M, K).to(x_dtype)
+    ref = quant.int8_linear_ref(x.float(), q, s)
+    for panel in (False, True):
+        _close_fp32(mod.linear_int8(x, q, s, None, True, panel), ref)
+    y = gemm.int8_linear(x, q, s, mod=mod)
+    assert y.dtype == x_dtype
+    torch.testing.assert_close(y.float(), quant.int8_linear_ref(x, q, s).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("group", [32, 48, 128])
+def test_int4_matches_reference(mod, M, group):
+    """group 48 is not a whole number of AVX-512 steps: the kernel takes its scalar path there."""
+    N, K = 37, 384
+    p, sc = quant.quantize_int4(torch.randn(N, K), group, scale_dtype=torch.bfloat16)
+    x = torch.randn(M, K)
+    ref = quant.int4_linear_ref(x, p, sc, group)
+    for panel in (False, True):
+        _close_fp32(mod.linear_int4(x, p, sc, group, True, panel), ref)
+    xb = x.bfloat16()
+    torch.testing.assert_close(gemm.int4_linear(xb, p, sc, group, mod=mod).float(),
+                               quant.int4_linear_ref(xb, p, sc, group).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_wrong_weight_fails_the_comparison(mod):
+    """The tolerances catch a one-element error in the weights (these tests can fail)."""
+    w, x = torch.randn(16, 64).bfloat16(), torch.randn(3, 64)
+    bad = w.clone()
+    bad[5, 63] += 1.0
+    with pytest.raises(AssertionError):
+        _close_fp32(mod.linear_bf16(x, bad, None, True, False), _ref_bf16(x, w))
+
+
+def test_bad_arguments_are_clear_errors(mod):
+    w = torch.randn(8, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="K=31 but the weight has K=32"):
+        mod.linear_bf16(torch.randn(2, 31), w, None, True, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.linear_bf16(torch.randn(2, 32).half(), w, None, True, False)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mod.linear_bf16(torch.randn(2, 32), w, torch.zeros(7), True, False)
+    with pytest.raises(RuntimeError, match="group_size must be even"):
+        mod.linear_int4(torch.randn(2, 32), torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1), 12)
+    assert mod.linear_bf16(torch.randn(0, 32), w, None, True, False).shape == (0, 8)
+
+
+# ---- dispatch: which implementation runs -----------------------------------------------------
+@pytest.fixture
+def spy(monkeypatch, gemm_mods):
+    calls = []
+    for name in ("linear_bf16", "int8_linear", "int4_linear"):
+        real = getattr(gemm, name)
+        monkeypatch.setattr(gemm, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    return calls
+
+
+def test_dispatch_runs_the_cpu_kernels_in_auto_mode(spy):
+    w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    q, s = quant.quantize_int8(w.float())
+    p, sc = quant.quantize_int4(w.float(), 32)
+    y = dispatch.linear(x, w, out_dtype=torch.float32)
+    _close_fp32(y, _ref_bf16(x, w))
+    dispatch.int8_linear(x.float(), q, s)
+    dispatch.int4_linear(x, p, sc, 32)
+    assert spy == ["linear_bf16", "int8_linear", "int4_linear"]
+    with dispatch.override("torch"):                      # the oracle stays reachable
+        torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+        dispatch.int8_linear(x.float(), q, s)
+    assert len(spy) == 3
+    dispatch.linear(x.float(), w.float())                 # fp32 weights: torch's fp32 GEMM
+    dispatch.int4_linear(x, *quant.quantize_int4(w.float(), 16), 16)   # 16 % INT4_STEP: reference
+    assert len(spy) == 3 + (16 % gemm.module().INT4_STEP == 0)
+
+
+def test_engines_build_the_kernels_before_their_first_request(monkeypatch):
+    """The runner calls prepare_cpu_kernels at start-up: both families are built (or loaded) for a
+    CPU float32 / bfloat16 model, nothing for other devices, dtypes, or with the kernels off."""
+    built = []
+    monkeypatch.setattr(gemm, "module", lambda isa=None: built.append("gemm"))
+    monkeypatch.setattr(decode_ops, "kernels", lambda isa=None: built.append("decode_ops"))
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    dispatch.prepare_cpu_kernels(cpu, torch.bfloat16)
+    assert built == ["gemm", "decode_ops"]
+    dispatch.prepare_cpu_kernels(torch.device("cuda"), torch.bfloat16)
+    dispatch.prepare_cpu_kernels(cpu, torch.float16)
+    with dispatch.override("torch"):
+        dispatch.prepare_cpu_kernels(cpu, torch.bfloat16)
+    monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
+    dispatch.prepare_cpu_kernels(cpu, torch.float32)
+    assert built == ["gemm", "decode_ops"]
+
+
+def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
+    monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
+    w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+    assert spy == []
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+    """No compiler: every family returns None (the references run) and the process is told once,
+    not once per family or level."""
+    def no_compiler(*a):
+        raise RuntimeError("Error building extension\ng++: not found")
+    monkeypatch.setattr(build, "_build", no_compiler)
+    monkeypatch.setattr(build, "_build_failed", False)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.load_kernels("gemm_test_nocc", ("gemm.cpp",), "portable") is None
+        assert build.load_kernels("gemm_test_nocc2", ("gemm.cpp",), "portable") is None
+    msgs = [r.message for r in caplog.records if "could not build" in r.message]
+    assert len(msgs) == 1 and "g++: not found" in msgs[0] and "torch references" in msgs[0]
+
+
+def test_an_engine_without_a_compiler_serves_on_the_references_and_says_so_once(hybrid_model, tmp_path):
+    """A fresh process whose compiler is missing (CXX points nowhere, an empty extension cache):
+    a bf16 engine builds nothing, generates the same greedy tokens as BACKBOARD_KERNELS=torch, and
+    logs the failed build once."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING);"
+            "from backboard.engine.llm import LLM; from backboard.sampling_params import SamplingParams;"
+            f"llm = LLM({hybrid_model!r}, dtype='bfloat16', max_model_len=128, max_num_seqs=2);"
+            "out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0));"
+            "print('tokens', out[0].outputs[0].token_ids)")
+    runs = {}
+    for name, extra in (("nocc", {"CXX": str(tmp_path / "no-such-g++")}), ("torch", {"BACKBOARD_KERNELS": "torch"})):
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), **extra)
+        env.pop("BACKBOARD_CPU_KERNELS", None)
+        env.setdefault("BACKBOARD_KERNELS", "auto")
+        runs[name] = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                    timeout=600)
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert runs["nocc"].stderr.count("could not build") == 1, runs["nocc"].stderr
+    assert "torch references" in runs["nocc"].stderr
+    assert "could not build" not in runs["torch"].stderr
+    tokens = [ln for ln in runs["nocc"].stdout.splitlines() if ln.startswith("tokens")]
+    assert tokens and tokens == [ln for ln in runs["torch"].stdout.splitlines() if ln.startswith("tokens")]
+
+
+def test_engine_without_kernels_runs_on_the_references(tmp_path):
+    """BACKBOARD_CPU_KERNELS=0 in a fresh process: the layers still run (torch references) and the
+    log says so once."""
+    code = ("import logging, torch; logging.basicConfig(level=logging.WARNING);"
+            "from backboard.layers.linear import Linear; from backboard.layers.embedding import LMHead;"
+            "lin = Linear(64, [32, 16], torch.bfloat16); torch.nn.init.normal_(lin.weight);"
+            "head = LMHead(100, 64, torch.bfloat16); torch.nn.init.normal_(head.weight);"
+            "x = torch.randn(3, 64).bfloat16();"
+            "assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight));"
+            "assert head(x).dtype == torch.float32; lin(x); print('ok')")
+    env = dict(os.environ, BACKBOARD_CPU_KERNELS="0")
+    env.pop("BACKBOARD_KERNELS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert r.stderr.count("CPU kernels disabled") == 1, r.stderr
+
+
+# ---- the whole model in bf16 -----------------------------------------------------------------
+def _two_steps(path: str, dtype: str, mode: str) -> torch.Tensor:
+    """Prefill of 100 + 7 tokens (the panel path), then a 2-row decode step (the rows path):
+    the decode logits [2, V] in fp32."""
+    from tests.models.driver import FlatBatchDriver
+
+    d = FlatBatchDriver(path, dtype=dtype, block_size=8, num_blocks=64, num_slots=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (100, 7)]
+    with dispatch.override(mode):
+        d.step([(0, prompts[0]), (1, prompts[1])])
+        out = d.step([(0, [5]), (1, [9])])
+    return torch.stack([out[0], out[1]]).float()
+
+
+def test_bf16_model_on_the_kernels_is_as_close_to_fp32_as_torch_bf16(hybrid_model, spy):
+    """The same checkpoint in bf16 through our kernels and through torch's bf16 matmuls, both
+    against the fp32 model: ours is no further from it (fp32 accumulation, one rounding)."""
+    fp32 = _two_steps(hybrid_model, "float32", "torch")
+    torch_bf16 = _two_steps(hybrid_model, "bfloat16", "torch")
+    assert spy == []
+    ours = _two_steps(hybrid_model, "bfloat16", "auto")
+    assert spy.count("linear_bf16") >= 2 * 4, spy          # every layer's projections, both steps
+    err_ours, err_torch = (ours - fp32).abs().max(), (torch_bf16 - fp32).abs().max()
+    scale = fp32.abs().max()
+    assert err_ours <= 1.25 * err_torch + 1e-3 * scale, (err_ours, err_torch, scale)
+    assert err_ours <= 0.1 * scale

@@ -1,0 +1,58 @@
+"""The whole tiny hybrid model through the C++ CPU kernels (dispatch's auto mode on CPU tensors)
+against the torch path: one step with a decode row, a 3-row verify group with per-row state
+slots and a prefill chunk, after three prefills. This is what the CPU engine runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backboard.ops import dispatch
+from backboard.ops.cpu import decode_ops
+from backboard.ops.cpu.build import cpu_isa
+from tests.models.driver import FlatBatchDriver
+from tests.ops.cpu_isas import built
+from tests.ops.test_model_kernel_path import _mixed_step
+
+OPS = ("gdn_decode", "paged_attention_decode", "rms_norm", "fused_add_rms_norm", "gated_rms_norm",
+       "silu_mul")
+# bf16: the two paths round differently inside the fused ops (one-ulp flips) and the differences
+# grow over 8 layers; fp32 agrees to float rounding
+TOL = {"float32": 5e-5, "bfloat16": 5e-2}
+
+
+def _driver(path: str, dtype: str) -> FlatBatchDriver:
+    return FlatBatchDriver(path, dtype=dtype, block_size=8, num_blocks=64, num_slots=16)
+
+
+@pytest.mark.parametrize("isa", list(dict.fromkeys([cpu_isa(), "portable"])))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_path_matches_torch_path(hybrid_model, monkeypatch, dtype, isa):
+    built(isa)
+    monkeypatch.setenv("BACKBOARD_CPU_ISA", isa)
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    ref = _mixed_step(_driver(hybrid_model, dtype), "torch")
+    used: set[str] = set()
+    for name in OPS:
+        fn = getattr(decode_ops, name)
+        monkeypatch.setattr(decode_ops, name,
+                            lambda *a, _n=name, _f=fn, **k: used.add(_n) or _f(*a, **k))
+    got = _mixed_step(_driver(hybrid_model, dtype), "auto")
+    assert used == set(OPS), used
+    scale = float(ref[0].float().abs().max())
+    err = float((got[0].float() - ref[0].float()).abs().max())
+    assert err <= TOL[dtype] * scale, (err, scale)
+    torch.testing.assert_close(got[1], ref[1], rtol=TOL[dtype], atol=TOL[dtype])       # GDN states
+    torch.testing.assert_close(got[2].float(), ref[2].float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_torch_mode_never_calls_the_cpu_kernels(hybrid_model, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a CPU kernel ran under BACKBOARD_KERNELS=torch")
+
+    for name in OPS:
+        monkeypatch.setattr(decode_ops, name, boom)
+    monkeypatch.setenv("BACKBOARD_KERNELS", "torch")
+    logits = _mixed_step(_driver(hybrid_model, "float32"), "torch")[0]
+    assert torch.isfinite(logits).all()
+    assert dispatch.use_cpu_decode_ops(torch.zeros(1)) is False
