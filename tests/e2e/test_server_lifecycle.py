@@ -144,6 +144,37 @@ def test_stream_interval_and_sigterm_drain(server_factory):
     assert server.proc.wait(60) == 0, server.log()[-3000:]
 
 
+@pytest.mark.parametrize("how", ["drain-timeout", "second-signal"])
+def test_cut_short_drain_ends_streams_with_an_error_event(server_factory, how):
+    """A drain that cannot wait for a long stream (--drain-timeout 1, or a second SIGTERM): the
+    stream ends with an error event and [DONE], not a truncated body; the server exits 0."""
+    flags = ("--drain-timeout", "1") if how == "drain-timeout" else ()
+    server = server_factory("--max-model-len", "2048", *flags)
+    events: list[str] = []
+
+    def streaming() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=streaming)
+    t.start()
+    _wait_running(server.url)
+    server.proc.send_signal(signal.SIGTERM)
+    if how == "second-signal":
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert not t.is_alive(), "the stream was never ended"
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"], last
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+
+
 def _metric(url: str, name: str) -> float | None:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
