@@ -72,6 +72,11 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     return path, f"serving {model} (hub snapshot at {path})"
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else $BACKBOARD_API_KEY (which keeps the key out of `ps`); None: no key."""
+    return args.api_key if args.api_key is not None else os.environ.get("BACKBOARD_API_KEY") or None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("backboard.server")
@@ -102,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from backboard.server.launcher import ServeOptions, serve
 
     names = tuple(args.served_model_name or [args.model or "backboard-demo"])
-    api_key = args.api_key if args.api_key is not None else os.environ.get("BACKBOARD_API_KEY") or None
-    opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=api_key,
+    opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=api_key_of(args),
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
                         cpu_threads=args.cpu_threads, engine_address=args.engine_address, limits=limits)
