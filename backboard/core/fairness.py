@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 from backboard.config import SchedulerConfig
 from backboard.request import Request
 
+
 def in_prefill(req: Request) -> bool:
     """More than the newest token left to compute: prompt (or recompute) tokens."""
     return len(req.all_token_ids) - req.num_computed_tokens > 1

@@ -173,7 +173,8 @@ class ParentRequest:
             return self.params
         # child i samples with seed + i, wrapped into the seed's range (seed = 2**63 - 1 is valid)
         seed = None if self.params.seed is None else (self.params.seed + i) % SEED_RANGE
-        return self.params.clone(n=1, seed=seed)
+        # the children share the prompt: only child 0 computes its logprobs
+        return self.params.clone(n=1, seed=seed, prompt_logprobs=None if i else self.params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -245,7 +246,7 @@ class OutputProcessor:
         if parent is None:
             return []
         ids = []
-        for i, c in enumerate(parent.children):
+        for i in range(len(parent.children)):
             cid = parent.child_id(i)
             if self.child_to_parent.pop(cid, None) is not None:
                 ids.append(cid)

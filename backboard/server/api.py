@@ -25,8 +25,14 @@ from backboard.engine.async_llm import AsyncLLM
 from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers, internal_error
 from backboard.server.limits import BodyGuard, ServerLimits, check_prompt_chars
 from backboard.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from backboard.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeChatRequest, TokenizeCompletionRequest, model_not_found)
+from backboard.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    model_not_found,
+)
 from backboard.server.serving import GenerationHandler
 
 
@@ -42,7 +48,9 @@ class ServerState:
     stream_interval: int = 1
     limits: ServerLimits = field(default_factory=ServerLimits)
     draining: bool = False
-    active_requests: int = 0                   # HTTP requests in flight (their responses not done)
+    active_requests: int = 0               # HTTP requests in flight (their responses not done)
+    frontend: bool = False                 # the page at / and its /api/ routes (server/frontend.py)
+    scorecard_dir: str | None = None       # results folders the page's scorecard viewer lists
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -170,6 +178,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
+    if state.frontend:
+        from backboard.server.frontend import install_frontend
+
+        install_frontend(app, state, authorized)
     return app
 
 

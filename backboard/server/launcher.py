@@ -55,6 +55,8 @@ class ServeOptions:
     cpu_threads: int | None = None
     engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    disable_frontend: bool = False
+    scorecard_dir: str | None = None
 
 
 class _Server(uvicorn.Server):
@@ -166,7 +168,8 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                       on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads,
                       addresses=opts.engine_address, on_pause=metrics.observe_pause)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
-                        api_key=opts.api_key, stream_interval=opts.stream_interval, limits=opts.limits)
+                        api_key=opts.api_key, stream_interval=opts.stream_interval, limits=opts.limits,
+                        frontend=not opts.disable_frontend, scorecard_dir=opts.scorecard_dir)
     app = build_app(state)
     lim = state.limits
     protocol = guarded_protocol(lim.header_timeout, lim.send_timeout, metrics.observe_timeout)

@@ -25,13 +25,19 @@ from fastapi.responses import Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, RequestDelta, RequestRejected,
-                                             RequestStream, ServerShuttingDown)
 from backboard.engine.output_processor import InputError
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+    ServerShuttingDown,
+)
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
-from backboard.server import responses as R
 from backboard.server import limits as L
+from backboard.server import responses as R
 from backboard.server.errors import APIError, bad_request, error_body
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
 
