@@ -126,3 +126,20 @@ def test_a_bug_is_a_500_with_an_error_id_not_its_text(server_model, caplog):
     assert any(eid in rec.getMessage() and rec.exc_info for rec in caplog.records)
     wrong = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer kk"})
     assert wrong.status_code == 401
+
+
+@pytest.mark.parametrize("mode", ["request", "user"])
+def test_fair_share_groups(server_model, mode):
+    """--fairness user counts a request under its `user` field (one client's many requests share
+    one group); otherwise, and without a user, under the request itself."""
+    from types import SimpleNamespace
+
+    from backboard.engine.tokenizer import Tokenizer
+    from backboard.server.serving import GenerationHandler
+
+    engine = SimpleNamespace(cfg=SimpleNamespace(scheduler=SimpleNamespace(fairness=mode)))
+    gen = GenerationHandler(engine, Tokenizer(server_model), "m")
+    alice = CompletionRequest.model_validate({"prompt": "x", "user": "alice"})
+    anon = CompletionRequest.model_validate({"prompt": "x"})
+    assert gen.group_of(alice, "cmpl-1") == ("user:alice" if mode == "user" else "cmpl-1")
+    assert gen.group_of(anon, "cmpl-2") == "cmpl-2"
