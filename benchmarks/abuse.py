@@ -18,7 +18,8 @@ Probes (the issue's list):
     prompt_10mb     three 10 MB prompts at once
     body_100mb      a 100 MB request body
     non_reading     two streaming clients that never read (held --hold seconds, then closed)
-    fairness        n=128 with max_tokens up to the context; the victim's 4 tokens meanwhile
+    fairness        n=128 with max_tokens up to the context (refused), then the largest allowed
+                    n=128 request; a 4-token request behind it
     slowloris       550 idle connections + 50 that send a header byte every 2 s
     small_things    seed=2**63-1 with n=2, "stream": "yes", "n": true, cut-short uploads
     engine_kill     SIGKILL the engine process mid-stream: the client's last event, the exit
@@ -273,17 +274,24 @@ def probe_non_reading(server: Server, hold_s: float) -> str:
 
 
 def probe_fairness(server: Server, max_model_len: int) -> str:
+    """The issue's n=128 x (context) request, then the largest one the default limits allow
+    (n=128 x max_tokens with n x max_tokens = 8 x context); a 4-token request behind the latter."""
+    code, text, _ = _post(server, {"model": "m", "prompt": "fill it", "n": 128, "ignore_eos": True,
+                                   "max_tokens": max_model_len - 8}, timeout=60)
+    issue = f"n=128 x {max_model_len - 8}: HTTP {code}" + (f" ({_message(text)[:60]})" if code != 200 else "")
+    allowed = 8 * max_model_len // 128
     result: dict = {}
 
     def big() -> None:
         try:
-            r = httpx.post(server.url + "/v1/completions", timeout=30,
+            r = httpx.post(server.url + "/v1/completions", timeout=600,
                            json={"model": "m", "prompt": "fill it", "n": 128, "ignore_eos": True,
-                                 "max_tokens": max_model_len - 8})
-            result["big"] = f"HTTP {r.status_code}" + (f": {_message(r.text)}" if r.status_code != 200 else "")
+                                 "max_tokens": allowed})
+            result["big"] = f"HTTP {r.status_code} in {time.perf_counter() - t_big:.1f} s"
         except httpx.HTTPError as e:
             result["big"] = f"client gave up ({type(e).__name__})"
 
+    t_big = time.perf_counter()
     t = threading.Thread(target=big)
     t.start()
     time.sleep(3.0)
@@ -291,11 +299,11 @@ def probe_fairness(server: Server, max_model_len: int) -> str:
     try:
         r = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": "m", "prompt": "me too", "max_tokens": 4, "ignore_eos": True})
-        small = f"small request: HTTP {r.status_code} in {time.perf_counter() - t0:.2f} s"
+        small = f"small request behind it: HTTP {r.status_code} in {time.perf_counter() - t0:.2f} s"
     except httpx.HTTPError:
-        small = f"small request: no answer in {time.perf_counter() - t0:.0f} s"
+        small = f"small request behind it: no answer in {time.perf_counter() - t0:.0f} s"
     t.join()
-    return f"n=128: {result.get('big')}; {small}"
+    return f"{issue}; n=128 x {allowed}: {result.get('big')}; {small}"
 
 
 def probe_slowloris(server: Server, hold_s: float) -> str:
