@@ -19,6 +19,7 @@ request bodies and per-request work within the limits of server/limits.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -193,6 +194,9 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                 metrics.engine_up.labels(names[0]).set(1)
                 engine.dead.add_done_callback(lambda _: metrics.engine_up.labels(names[0]).set(0))
                 watch = asyncio.ensure_future(server.exit_when_engine_dies(engine))
+                # start-up's objects (modules, the tokenizer, the app) never die: out of the
+                # collector's sight, a full collection pauses the loop for milliseconds, not 100s
+                gc.freeze()
             except (EngineStartError, EngineDeadError) as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 code = 1
