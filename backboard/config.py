@@ -269,6 +269,9 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
 
 
+FAIRNESS_MODES = ("request", "user", "off")     # core/fairness.py
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -276,6 +279,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     long_prefill_token_threshold: int = 0   # >0: cap the tokens one prefill takes per step
     policy: str = "fcfs"                    # "fcfs" | "priority"
+    fairness: str = "request"               # core/fairness.py: what shares are counted over
+    max_prefill_share: float = 0.5          # of max_num_batched_tokens, per group per step, contended
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -286,6 +291,10 @@ class SchedulerConfig:
             raise ConfigError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling policy must be 'fcfs' or 'priority'; got {self.policy!r}")
+        if self.fairness not in FAIRNESS_MODES:
+            raise ConfigError(f"fairness must be one of {', '.join(FAIRNESS_MODES)}; got {self.fairness!r}")
+        if not 0.0 < self.max_prefill_share <= 1.0:
+            raise ConfigError(f"max_prefill_share must be in (0, 1]; got {self.max_prefill_share}")
 
 
 SPEC_METHODS = ("mtp", "draft_head", "ngram")
@@ -363,6 +372,13 @@ class EngineArgs:
     device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
     scheduling_policy: str = _setting("fcfs", "the waiting queue's order", choices=("fcfs", "priority"))
     long_prefill_token_threshold: int = _setting(0, "cap on the tokens one prefill takes per step (0: none)")
+    fairness: str = _setting(
+        "request", "fair shares of sequence slots and prefill budget, counted per request (its n completions "
+                   "together) or per the requests' `user` field; off: plain FCFS / priority (core/fairness.py)",
+        choices=FAIRNESS_MODES)
+    max_prefill_share: float = _setting(
+        0.5, "while others have prompt tokens to compute, one request's (group's) prefill takes at most this "
+             "fraction of --max-num-batched-tokens per step")
     enforce_eager: bool = _setting(False, "no CUDA graphs")
     cpu_threads: int | None = _setting(
         None, "CPU: compute threads of the engine (default: every core this process may run on, or "
@@ -416,7 +432,8 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=mc.max_model_len, policy=a.scheduling_policy,
-                                      long_prefill_token_threshold=a.long_prefill_token_threshold),
+                                      long_prefill_token_threshold=a.long_prefill_token_threshold,
+                                      fairness=a.fairness, max_prefill_share=a.max_prefill_share),
             spec=spec,
             device=resolve_device(a.device),
             seed=a.seed,

@@ -44,6 +44,7 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    group: str | None = None        # what fair shares count over (core/fairness.py); None: this request
 
 
 class Request:
@@ -55,6 +56,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.arrival_time = req.arrival_time
         self.priority = req.priority
+        self.group = req.group or req.request_id
         sp = req.sampling_params
         self.eos_token_ids = frozenset(() if sp.ignore_eos else req.eos_token_ids)
         self.stop_token_ids = frozenset(sp.stop_token_ids or ())

@@ -6,7 +6,9 @@ Per step: running requests first (those in decode first, so a long prefill never
 then waiting ones while budget, sequence slots, KV blocks and state slots last. When KV blocks run
 out, the lowest-priority running request not yet scheduled this step (the latest arrival under
 FCFS) is preempted by recompute: its blocks and slots are freed and it goes back to the waiting
-queue with its tokens, to be prefilled again later."""
+queue with its tokens, to be prefilled again later. Fair shares between requests (which waiting
+request is admitted, prefill tokens per request per step, preemption victims, paused requests) are
+core/fairness.py's policy."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import itertools
 import time
 
 from backboard.config import SchedulerConfig
+from backboard.core.fairness import FairShare
 from backboard.core.kv_cache_manager import KVCacheManager
 from backboard.core.outputs import (
     CachedRequestData,
@@ -85,6 +88,7 @@ class Scheduler:
         self.states = (StatePool(num_state_slots, 1 + num_spec_tokens)
                        if num_state_slots is not None else None)
         self.waiting = WaitingQueue(cfg.policy == "priority")
+        self.fair = FairShare(cfg)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._runner_knows: set[str] = set()
@@ -127,6 +131,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
 
+    def has_work(self) -> bool:
+        """Something to schedule: an unfinished request that is not paused."""
+        paused = self.fair.paused
+        if not paused:
+            return self.has_unfinished_requests()
+        return any(r.request_id not in paused for r in itertools.chain(self.running, self.waiting))
+
+    def pause_requests(self, req_ids) -> None:
+        """Stop scheduling these (their client is not reading); they keep what they hold."""
+        self.fair.pause(rid for rid in req_ids if rid in self.requests)
+
+    def resume_requests(self, req_ids) -> None:
+        self.fair.resume(req_ids)
+
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
@@ -136,6 +154,8 @@ class Scheduler:
         cached = CachedRequestData()
         now = time.time()
         scheduled: set[str] = set()
+        self.fair.begin_step(self.running, self.waiting)
+        self.fair.rebalance(self.running, self.waiting, self._can_admit, self._preempt, self._priority_key)
         preemptions_before = self.num_preemptions_total
 
         # 1. running requests, those in decode first (a long prefill never starves them)
@@ -143,7 +163,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_computed_tokens < len(r.all_token_ids) - 1):
             if budget <= 0:
                 break
-            if req.status != running_status:          # preempted earlier in this loop
+            if req.status != running_status or self.fair.is_paused(req):   # preempted, or paused
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
@@ -158,8 +178,8 @@ class Scheduler:
         # 2. waiting requests (none after a preemption this step: the pool is tight)
         while (self.num_preemptions_total == preemptions_before and len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
-            req = self.waiting.peek()
-            if self.states is not None and not self.states.can_allocate():
+            req = self.fair.next_waiting(self.waiting)
+            if req is None or (self.states is not None and not self.states.can_allocate()):
                 break
             n = self._num_new_tokens(req, budget)
             if n <= 0:
@@ -167,7 +187,8 @@ class Scheduler:
             new_blocks = self.kv.allocate(req, n + self.lookahead)
             if new_blocks is None:
                 break
-            self.waiting.pop()
+            self.waiting.remove(req)
+            self.fair.on_admit(req)
             if self.states is not None:
                 self.states.allocate(req)
             req.status = RequestStatus.RUNNING
@@ -190,7 +211,16 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         # never past the context (drafts beyond it are dropped)
         n = min(n, budget, self.cfg.max_model_len - req.num_computed_tokens)
-        return n
+        return self.fair.token_cap(req, n)
+
+    def _can_admit(self, req: Request) -> bool:
+        """A sequence slot, a state slot and KV blocks for its first chunk are free now."""
+        if len(self.running) >= self.cfg.max_num_seqs:
+            return False
+        if self.states is not None and not self.states.can_allocate():
+            return False
+        n = min(len(req.all_token_ids) - req.num_computed_tokens, self.cfg.max_num_batched_tokens)
+        return self.kv.can_allocate(req, n + self.lookahead)
 
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str]) -> list[int] | None:
         """Allocate blocks for n new tokens, preempting lower-priority running requests (not yet
@@ -202,7 +232,7 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
             candidates = [r for r in self.running if r.request_id not in scheduled]
-            victim = max(candidates, key=self._priority_key)
+            victim = self.fair.kv_victim(candidates, self._priority_key)
             self._preempt(victim)
             if victim is req:
                 return None
@@ -213,6 +243,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.fair.on_preempt(req)
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -232,6 +263,7 @@ class Scheduler:
         if req.is_finished:
             self.requests.pop(req.request_id, None)
             self.waiting.forget(req)
+            self.fair.paused.discard(req.request_id)
 
     def _record(self, req: Request, n: int, new_blocks: list[int], new_reqs: list[NewRequestData],
                 cached: CachedRequestData, num_scheduled: dict[str, int],
@@ -250,6 +282,7 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens,
                 num_prompt_logprobs_emitted=req.num_prompt_logprobs_emitted))
         num_scheduled[rid] = n
+        self.fair.charge(req, n)
         num_spec = req.num_computed_tokens + n - len(req.all_token_ids)
         if num_spec > 0:
             spec_tokens[rid] = req.spec_token_ids[:num_spec]

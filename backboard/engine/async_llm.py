@@ -10,10 +10,13 @@
 
 The front end never blocks on the engine: sends are non-blocking on unbounded sockets, outputs
 arrive on a reader task of the loop, so there is no thread and no lock between the HTTP handlers
-and the engine. A slow client only lets its own queue grow.
+and the engine. A slow client's queue is bounded: past `max_pending_tokens` its request is
+paused in the engine (PauseRequests) until the client takes its output (ResumeRequests).
 
 If the engine dies (it reports a fatal error, or its process ends: the process sentinel), every
-in-flight request fails with EngineDeadError and new ones are refused; nothing waits forever.
+in-flight request fails with EngineDeadError, new ones are refused, and `dead` (a future) is
+done, so the server can exit; nothing waits forever. The reason goes to the log; clients get a
+message without the engine's exception text.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class AsyncLLM:
     def __init__(self, cfg: EngineConfig, tokenizer, log_level: str = "info",
                  on_stats: Callable[[M.EngineStats], None] | None = None,
                  on_finished: Callable[[RequestStream], None] | None = None,
-                 addresses: str | None = None) -> None:
+                 addresses: str | None = None,
+                 on_pause: Callable[[], None] | None = None) -> None:
         from backboard.engine.output_processor import InputProcessor, OutputProcessor
 
         self.cfg, self.tokenizer, self.log_level = cfg, tokenizer, log_level
@@ -69,7 +73,7 @@ class AsyncLLM:
         eos = tuple(dict.fromkeys(mc.eos_token_ids + tuple(tokenizer.eos_token_ids)))
         self.inputs = InputProcessor(tokenizer, cfg.scheduler.max_model_len, mc.vocab_size, eos)
         self.outputs = OutputProcessor(tokenizer)
-        self.on_stats, self.on_finished = on_stats, on_finished
+        self.on_stats, self.on_finished, self.on_pause = on_stats, on_finished, on_pause
         self.streams: dict[str, RequestStream] = {}
         self.stats: M.EngineStats | None = None
         self.state = "new"
@@ -86,6 +90,7 @@ class AsyncLLM:
         self._inp: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self.dead: asyncio.Future | None = None      # done (with the reason) when the engine died
         self._outbox: list[M.InputMessage] = []       # sent together at the end of this loop turn
         self._enc, self._dec = M.encoder(), M.output_decoder()
 
@@ -94,6 +99,7 @@ class AsyncLLM:
         """Bind the sockets, spawn the engine process and start reading its outputs."""
         self._loop = loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
+        self.dead = loop.create_future()
         self._bind(EngineAddresses.parse(self.address_spec))
         ctx = mp.get_context("spawn")
         self._proc = ctx.Process(target=run_engine_core, name="backboard-engine", daemon=True,
@@ -154,8 +160,11 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None, arrival_time: float | None = None) -> RequestStream:
-        """Validate (InputError), register and send a request; returns its stream."""
+                    prompt_text: str | None = None, arrival_time: float | None = None,
+                    group: str | None = None, max_pending_tokens: int | None = None) -> RequestStream:
+        """Validate (InputError), register and send a request; returns its stream. `group`: what
+        the engine's fair shares count it under (default: the request itself); `max_pending_tokens`:
+        per completion, undelivered tokens before the request is paused (None: unbounded)."""
         from backboard.engine.output_processor import ParentRequest
 
         self._check_alive()
@@ -163,10 +172,13 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.time()
         _, ecr = self.inputs.make_request(prompt_ids, params, request_id=request_id, arrival_time=arrival)
-        parent = ParentRequest(request_id, prompt_text, ecr.prompt_token_ids, params, self.tokenizer, arrival)
-        stream = RequestStream(request_id, params.n, len(ecr.prompt_token_ids), RequestTimings(arrival))
+        parent = ParentRequest(request_id, prompt_text, ecr.prompt_token_ids, params, self.tokenizer, arrival,
+                               cumulative=False)
+        bound = None if max_pending_tokens is None else max_pending_tokens * params.n
+        stream = RequestStream(request_id, params.n, len(ecr.prompt_token_ids), RequestTimings(arrival),
+                               bound, lambda paused: self._pressure(request_id, paused))
         reqs = [EngineCoreRequest(cid, ecr.prompt_token_ids, parent.child_params(i), ecr.eos_token_ids,
-                                  ecr.arrival_time, ecr.priority)
+                                  ecr.arrival_time, ecr.priority, group or request_id)
                 for i, cid in enumerate(self.outputs.add(parent))]
         self.streams[request_id] = stream
         stream.timings.sent = time.time()
@@ -184,6 +196,24 @@ class AsyncLLM:
             stream.timings.finished = time.time()
             if self.on_finished is not None:
                 self.on_finished(stream)
+
+    def _pressure(self, request_id: str, paused: bool) -> None:
+        """Pause (or resume) a request's unfinished completions in the engine."""
+        parent = self.outputs.parents.get(request_id)
+        if parent is None or self.state != "ready":
+            return
+        ids = [parent.child_id(i) for i, c in enumerate(parent.children) if not c.out.finished]
+        if ids:
+            self._send(M.PauseRequests(ids) if paused else M.ResumeRequests(ids))
+            if paused and self.on_pause is not None:
+                self.on_pause()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with `exc` (e.g. the server is stopping) and abort them in
+        the engine."""
+        for rid, s in list(self.streams.items()):
+            self.abort(rid)
+            s.fail(exc)
 
     def _check_alive(self) -> None:
         if self.state == "ready":
@@ -248,7 +278,7 @@ class AsyncLLM:
             if not self._ready.done():
                 self._ready.set_exception(EngineStartError(msg.kind, msg.message))
         elif isinstance(msg, M.EngineFailed):
-            self._die(f"the engine failed: {msg.message}")
+            self._die(f"the engine failed: {msg.message}", "the engine failed (the server log says why)")
 
     def _maybe_ready(self) -> None:
         """Ready once the engine loaded the model and the ROUTER has seen it (either order)."""
@@ -263,14 +293,17 @@ class AsyncLLM:
         code = "" if exitcode is None else f" (exit code {exitcode})"
         self._die(f"the engine process exited unexpectedly{code}")
 
-    def _die(self, why: str) -> None:
+    def _die(self, why: str, public: str | None = None) -> None:
+        """The engine is gone: `why` is logged; clients see `public` (no exception text)."""
         if self.state in ("dead", "stopped"):
             return
         logger.error(why)
-        self.state, self.error = "dead", why
+        self.state, self.error = "dead", public or why
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(EngineDeadError(why))
-        self._fail_all(EngineDeadError(why))
+            self._ready.set_exception(EngineDeadError(self.error))
+        if self.dead is not None and not self.dead.done():
+            self.dead.set_result(why)
+        self._fail_all(EngineDeadError(self.error))
 
     def _fail_all(self, exc: BaseException) -> None:
         for s in self.streams.values():

@@ -129,8 +129,8 @@ class EngineCoreProc:
         self.last_stats_time = 0.0
 
     def run(self) -> None:
-        while self._apply(self.io.recv(block=not self.core.has_unfinished_requests())):
-            if self.core.has_unfinished_requests():
+        while self._apply(self.io.recv(block=not self.core.has_work())):
+            if self.core.has_work():
                 self._step()
             self._flush()
 
@@ -150,6 +150,10 @@ class EngineCoreProc:
                 self.core.abort_requests(m.request_ids)   # the front end already forgot them
             elif isinstance(m, M.StopRequests):
                 self.core.stop_requests(m.request_ids)
+            elif isinstance(m, M.PauseRequests):
+                self.core.scheduler.pause_requests(m.request_ids)
+            elif isinstance(m, M.ResumeRequests):
+                self.core.scheduler.resume_requests(m.request_ids)
             elif isinstance(m, M.Shutdown):
                 return False
         return True
@@ -174,7 +178,7 @@ class EngineCoreProc:
     def _stats_if_due(self) -> M.EngineStats | None:
         """Stats on change, at most every STATS_INTERVAL_S while busy; always when going idle."""
         now = time.time()
-        idle = not self.core.has_unfinished_requests()
+        idle = not self.core.has_work()
         if not idle and now - self.last_stats_time < STATS_INTERVAL_S:
             return None
         s = self.core.stats()

@@ -1,8 +1,9 @@
 """Incremental detokenization with stop strings.
 
 Multi-byte UTF-8 split across tokens is never emitted half-way (tokenizers' DecodeStream holds
-partial sequences); stop strings spanning token boundaries are caught because the search runs over
-the accumulated text; while streaming, the last len(longest stop) - 1 characters are held back so
+partial sequences); stop strings spanning token boundaries are caught because the matcher's state carries over
+between tokens (engine/stop_strings.py: each new character costs the same whatever the number of
+stop strings); while streaming, the last len(longest stop) - 1 characters are held back so
 that text which may turn into a stop string is never emitted. The pieces returned concatenate to
 exactly the final text (the full decode, cut at a stop string when one matched)."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from backboard.engine.stop_strings import StopMatcher
 from backboard.engine.tokenizer import Tokenizer
 
 
@@ -21,6 +23,7 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""            # decoded so far (may run past a stop string until cut)
@@ -33,12 +36,12 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         for t in new_token_ids:
-            start = max(0, len(self.text) - self._hold)
             self.token_ids.append(t)
             piece = self._stream.step(self.tok.backend, t)
             if piece:
+                offset = len(self.text)
                 self.text += piece
-                if self.stop and self._find_stop(start) is not None:
+                if self._matcher is not None and self._cut_at_stop(piece, offset):
                     return self._release(len(self.text))   # later tokens are not fed
         return self._release(len(self.text) - self._hold)
 
@@ -51,18 +54,15 @@ class IncrementalDetokenizer:
                 self.text = full
         return self._release(len(self.text))
 
-    def _find_stop(self, start: int) -> int | None:
-        best = None
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        i, s = best
+    def _cut_at_stop(self, piece: str, offset: int) -> bool:
+        """Match the new piece; on a stop string, cut the text there (True)."""
+        hit = self._matcher.feed(piece, offset)
+        if hit is None:
+            return False
+        i, s = hit
         self.stopped_by = s
         self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
-        return i
+        return True
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.emitted)

@@ -50,6 +50,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Something to step: an unfinished request that is not paused (engine/core_proc.py
+        blocks on its input otherwise)."""
+        return self.scheduler.has_work()
+
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()

@@ -3,7 +3,8 @@ process (engine/core_proc.py), and its encoding: msgspec structs, msgpack on the
 
     front end -> engine   input socket    one frame per front-end loop turn: list[InputMessage],
                                           applied in order (AddRequests | AbortRequests |
-                                          StopRequests | Shutdown)
+                                          StopRequests | PauseRequests | ResumeRequests |
+                                          Shutdown)
     engine -> front end   output socket   one frame per message: OutputMessage (EngineReady |
                                           EngineStartFailed | EngineFailed, or one StepOutputs
                                           per engine step)
@@ -42,11 +43,21 @@ class StopRequests(msgspec.Struct, tag="stop", array_like=True):
     request_ids: list[str]
 
 
+class PauseRequests(msgspec.Struct, tag="pause", array_like=True):
+    """Stop scheduling these until resumed: their client is not reading (backpressure)."""
+
+    request_ids: list[str]
+
+
+class ResumeRequests(msgspec.Struct, tag="resume", array_like=True):
+    request_ids: list[str]
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Leave the loop and exit (whatever is still running is abandoned)."""
 
 
-InputMessage = Union[AddRequests, AbortRequests, StopRequests, Shutdown]
+InputMessage = Union[AddRequests, AbortRequests, StopRequests, PauseRequests, ResumeRequests, Shutdown]
 
 
 # ---- engine -> front end ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from backboard.request import EngineCoreRequest
 from backboard.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]     # token id -> logprob (the chosen / prompt token and the top-n)
+SEED_RANGE = 2 ** 63            # seeds are in [0, 2**63) (SamplingParams.validate)
 
 
 @dataclass
@@ -106,15 +107,19 @@ class InputProcessor:
 
 
 class RequestState:
-    """One child request (one of n completions) as the front end follows it."""
+    """One child request (one of n completions) as the front end follows it. With `cumulative`
+    False only the deltas (and the token ids) are kept: the server, which sends deltas, holds no
+    growing text or logprob history per completion."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
-        self.index, self.params = index, params
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None,
+                 cumulative: bool = True) -> None:
+        self.index, self.params, self.cumulative = index, params, cumulative
         self.detok = (IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output,
                                              params.skip_special_tokens)
                       if tokenizer is not None and params.detokenize else None)
-        self.out = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None,
-                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
+        keep_lps = params.logprobs is not None and cumulative
+        self.out = CompletionOutput(index=index, logprobs=[] if keep_lps else None,
+                                    cumulative_logprob=0.0 if keep_lps else None)
 
     def update(self, eco: EngineCoreOutput) -> bool:
         """Apply an engine output; returns True when a stop string ended the request here."""
@@ -145,7 +150,7 @@ class RequestState:
             o.finish_reason, o.stop_reason = eco.finish_reason, eco.stop_reason
         if o.finished and self.detok is not None and not stopped:
             o.delta_text += self.detok.finish()
-        if self.detok is not None:
+        if self.detok is not None and self.cumulative:
             o.text = self.detok.text[:self.detok.emitted]
         return stopped
 
@@ -154,9 +159,9 @@ class ParentRequest:
     """A user request: the prompt and its n child completions."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer | None, arrival_time: float) -> None:
+                 tokenizer: Tokenizer | None, arrival_time: float, cumulative: bool = True) -> None:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.children = [RequestState(i, params, tokenizer) for i in range(params.n)]
+        self.children = [RequestState(i, params, tokenizer, cumulative) for i in range(params.n)]
         self.prompt_logprobs: list[Logprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time)
 
@@ -166,7 +171,8 @@ class ParentRequest:
     def child_params(self, i: int) -> SamplingParams:
         if len(self.children) == 1:
             return self.params
-        seed = None if self.params.seed is None else self.params.seed + i
+        # child i samples with seed + i, wrapped into the seed's range (seed = 2**63 - 1 is valid)
+        seed = None if self.params.seed is None else (self.params.seed + i) % SEED_RANGE
         # the children share the prompt: only child 0 computes its logprobs
         return self.params.clone(n=1, seed=seed, prompt_logprobs=None if i else self.params.prompt_logprobs)
 

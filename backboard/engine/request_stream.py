@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 from backboard.core.outputs import TokenLogprobs
 
@@ -19,6 +20,10 @@ class EngineStartError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class ServerShuttingDown(EngineDeadError):
+    """The server is stopping (drain timeout, second signal): the request is cut short."""
 
 
 class RequestRejected(ValueError):
@@ -73,9 +78,15 @@ class RequestTimings:
 class RequestStream:
     """One request's deltas, queued for its reader (an HTTP handler). `get()` returns every delta
     pending: a slow reader gets several at once; nothing is merged or lost. Also the request's
-    timings and, once it ends, how each completion finished (for metrics)."""
+    timings and, once it ends, how each completion finished (for metrics).
 
-    def __init__(self, request_id: str, n: int, num_prompt_tokens: int, timings: RequestTimings) -> None:
+    Bounded: once more than `max_pending_tokens` tokens wait for the reader, `on_pressure(True)`
+    is called (the engine client pauses the request in the engine: it stops producing), and
+    `on_pressure(False)` once the reader has taken them."""
+
+    def __init__(self, request_id: str, n: int, num_prompt_tokens: int, timings: RequestTimings,
+                 max_pending_tokens: int | None = None,
+                 on_pressure: Callable[[bool], None] | None = None) -> None:
         self.request_id, self.n, self.timings = request_id, n, timings
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = [0] * n                  # per completion, so far
@@ -83,6 +94,9 @@ class RequestStream:
         self.finished = False
         self.aborted = False
         self._pending: list[RequestDelta] = []
+        self._pending_tokens = 0
+        self.max_pending_tokens, self.on_pressure = max_pending_tokens, on_pressure
+        self.paused = False
         self._event = asyncio.Event()
         self._error: BaseException | None = None
 
@@ -90,10 +104,23 @@ class RequestStream:
     def push(self, delta: RequestDelta) -> None:
         for c in delta.outputs:
             self.num_output_tokens[c.index] += len(c.token_ids)
+            self._pending_tokens += len(c.token_ids)
             self.finish_reasons[c.index] = c.finish_reason
         self._pending.append(delta)
         self.finished = self.finished or delta.finished
         self._event.set()
+        if (self.max_pending_tokens is not None and not self.paused and not self.finished
+                and self._pending_tokens > self.max_pending_tokens):
+            self._set_paused(True)
+
+    def _set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if self.on_pressure is not None:
+            self.on_pressure(paused)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self._pending_tokens
 
     def abort(self) -> None:
         """Ended by the caller: completions still running finish as "abort"."""
@@ -111,7 +138,9 @@ class RequestStream:
             self._event.clear()
             await self._event.wait()
         if self._pending:
-            out, self._pending = self._pending, []
+            out, self._pending, self._pending_tokens = self._pending, [], 0
+            if self.paused:
+                self._set_paused(False)
             return out
         if self._error is not None:
             raise self._error

@@ -3,10 +3,16 @@
     POST /v1/completions, /v1/chat/completions   (streaming and not)
     GET  /v1/models, /health, /metrics, /version
     POST /tokenize, /detokenize                  (vLLM's shapes)
+
+Around every route: BodyGuard (server/limits.py: the body is read within its size and time limits
+before a route runs) and RequestGuard (arrival time, requests in flight, and unexpected exceptions
+turned into a 500 that names an error id instead of the exception).
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from backboard.engine.async_llm import AsyncLLM
-from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers
+from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers, internal_error
+from backboard.server.limits import BodyGuard, ServerLimits, check_prompt_chars
 from backboard.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from backboard.server.protocol import (
     ChatCompletionRequest,
@@ -39,7 +46,9 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     stream_interval: int = 1
+    limits: ServerLimits = field(default_factory=ServerLimits)
     draining: bool = False
+    active_requests: int = 0               # HTTP requests in flight (their responses not done)
     frontend: bool = False                 # the page at / and its /api/ routes (server/frontend.py)
     scorecard_dir: str | None = None       # results folders the page's scorecard viewer lists
     created: int = field(default_factory=lambda: int(time.time()))
@@ -54,20 +63,25 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="Backboard", version=__version__)
     app.state.backboard = state
-    app.add_middleware(ArrivalStamp)
+    gen = GenerationHandler(state.engine, state.tokenizer, state.model_name, state.stream_interval,
+                            state.limits, state.max_model_len)
+    state.limits = gen.limits                                  # resolved against max_model_len
+    app.add_middleware(BodyGuard, limits=state.limits)
+    app.add_middleware(RequestGuard, state=state)              # outermost: sees every request
     install_error_handlers(app)
-    gen = GenerationHandler(state.engine, state.tokenizer, state.model_name, state.stream_interval)
+    api_key = state.api_key.encode() if state.api_key is not None else None
 
     # ---- checks --------------------------------------------------------------------------
     def authorized(request: Request) -> None:
-        if state.api_key is None:
+        if api_key is None:
             return
         auth = request.headers.get("authorization", "")
         if not auth:
             raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
         scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() != state.api_key:
+        # constant time: how long the comparison takes says nothing about the key
+        if not hmac.compare_digest(key.strip().encode(), api_key) or scheme.lower() != "bearer":
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     def serving() -> None:
@@ -115,14 +129,17 @@ def build_app(state: ServerState) -> FastAPI:
         if "messages" in body:
             req = _parse(TokenizeChatRequest, body)
             check_model(req.model)
+            conv = req.conversation()
+            check_prompt_chars(state.limits, sum(len(m["content"]) for m in conv), "messages")
             try:
-                text = state.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt,
+                text = state.tokenizer.apply_chat_template(conv, req.add_generation_prompt,
                                                            **(req.chat_template_kwargs or {}))
             except Exception as e:  # noqa: BLE001
                 raise bad_request(f"the chat template failed: {e}", "messages") from e
         else:
             req = _parse(TokenizeCompletionRequest, body)
             check_model(req.model)
+            check_prompt_chars(state.limits, len(req.prompt), "prompt")
             text = req.prompt
         ids = await gen.encode(text, req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
@@ -133,10 +150,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize", dependencies=[Depends(authorized)])
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req.model)
+        if len(req.tokens) > state.max_model_len:
+            raise bad_request(f"at most {state.max_model_len} tokens (the context) can be detokenized; "
+                              f"got {len(req.tokens)}", "tokens")
         bad = [t for t in req.tokens if not 0 <= t < len(state.tokenizer)]
         if bad:
             raise bad_request(f"token id {bad[0]} is out of range [0, {len(state.tokenizer)})", "tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        text = await gen.off_loop(len(req.tokens) * 4, state.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     # ---- operations -----------------------------------------------------------------------
     @app.get("/health")
@@ -164,17 +185,37 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-class ArrivalStamp:
-    """Pure ASGI middleware: the time a request reached the app (before its body is read), the
-    arrival time of every latency the server reports."""
+class RequestGuard:
+    """Pure ASGI middleware, outermost: the time a request reached the app (before its body is
+    read: the arrival time of every latency the server reports), the count of requests in flight
+    (a shutdown waits for their last events), and unexpected exceptions as a 500 with an error id
+    (logged once, with the traceback; the exception's text never reaches the client)."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["arrival"] = time.time()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.time()
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        self.state.active_requests += 1
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as e:  # noqa: BLE001 - the last resort
+            if started:
+                logging.getLogger("backboard.server").error("error in a response already started (%s %s)",
+                                                             scope["method"], scope["path"], exc_info=e)
+                return
+            await internal_error(scope["method"], scope["path"], e)(scope, receive, send)
+        finally:
+            self.state.active_requests -= 1
 
 
 def _arrival(raw: Request) -> float:

@@ -12,6 +12,7 @@ import re
 import sys
 
 from backboard.engine.cli import add_engine_args, engine_kwargs
+from backboard.server.limits import ServerLimits, add_limit_args, limit_kwargs
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -26,14 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: MODEL as given)")
-    g.add_argument("--api-key", default=os.environ.get("BACKBOARD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $BACKBOARD_API_KEY)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $BACKBOARD_API_KEY; the "
+                        "environment keeps the key out of `ps`)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk (the last group and the finish always go out)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--drain-timeout", type=float, default=600.0,
-                   help="on SIGTERM, wait at most this many seconds for running requests")
+                   help="on SIGTERM, wait at most this many seconds for running requests; then (or on a "
+                        "second SIGTERM) they end with an error event / a 503")
     g.add_argument("--engine-address", default=None,
                    help="where the front end binds its sockets to the engine process: ipc://DIR, or "
                         "tcp://HOST:PORT (PORT and PORT+1; 0: any free ports) (default: ipc in a temp dir)")
@@ -42,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--scorecard-dir", default=None,
                    help="results folders the page's scorecard viewer lists (default: "
                         "benchmarks/results of a source checkout)")
+    add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -70,6 +74,11 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     return path, f"serving {model} (hub snapshot at {path})"
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else $BACKBOARD_API_KEY (which keeps the key out of `ps`); None: no key."""
+    return args.api_key if args.api_key is not None else os.environ.get("BACKBOARD_API_KEY") or None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("backboard.server")
@@ -84,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
             raise StartupError(f"--port must be in 1..65535; got {args.port}")
         if args.engine_address is not None:
             EngineAddresses.parse(args.engine_address)     # a bad address stops start-up here
+        limits = ServerLimits(**limit_kwargs(args))
+        limits.resolve(1)                                  # a bad limit stops start-up here
         path, where = resolve_model(args.model)
         log.info(where)
         cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
@@ -96,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from backboard.server.launcher import ServeOptions, serve
 
     names = tuple(args.served_model_name or [args.model or "backboard-demo"])
-    opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
+    opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=api_key_of(args),
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        engine_address=args.engine_address,
+                        engine_address=args.engine_address, limits=limits,
                         disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

@@ -1,10 +1,13 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure,
-including FastAPI's own validation errors, unknown routes and unexpected exceptions."""
+including FastAPI's own validation errors, unknown routes and unexpected exceptions. An unexpected
+exception is logged with its traceback under an error id; the client gets the id, never the
+exception's text."""
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -54,12 +57,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), _TYPES.get(e.status_code, "invalid_request_error")),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
+    # anything else is a bug: server/api.py's RequestGuard answers with internal_error()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
-                            status_code=500)
+
+def internal_error(method: str, path: str, e: BaseException) -> JSONResponse:
+    """A bug met while serving: the traceback to the log under an id; the id to the client."""
+    eid = "err-" + uuid.uuid4().hex[:16]
+    logger.error("internal error %s while serving %s %s", eid, method, path, exc_info=e)
+    return JSONResponse(error_body(f"internal server error (error id {eid}; the server log has the details)",
+                                   "server_error", code=500), status_code=500, headers={"x-error-id": eid})
 
 
 def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -76,15 +76,25 @@ class ServerMetrics:
         self.step_time = Counter("backboard:engine_step_time_seconds",
                                  "Wall time the engine process spent inside step()", m, registry=r)
         self.steps = Counter("backboard:engine_steps", "Engine steps", m, registry=r)
+        self.engine_up = Gauge("backboard:engine_up", "1 while the engine process serves; 0 once it died "
+                               "(the server exits moments later)", m, registry=r)
+        self.pauses = Counter("backboard:stream_pauses", "Requests paused in the engine because their client "
+                              "did not take its streamed output (backpressure)", m, registry=r)
+        self.timeouts = Counter("backboard:http_connections_timed_out", "Connections closed by a timeout: "
+                                "header (idle or slow-loris), send (a client that stopped reading)",
+                                m + ["reason"], registry=r)
+        for reason in ("header", "send"):
+            self.timeouts.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
                   self.spec_draft_tokens, self.spec_accepted, self.spec_draft_time,
-                  self.spec_verify_time, self.step_time, self.steps):
+                  self.spec_verify_time, self.step_time, self.steps, self.pauses):
             c.labels(model_name)                   # exported as 0 from the start
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for pos in range(num_spec_tokens):
             self.spec_per_pos.labels(model_name, str(pos))
-        for g in (self.running, self.waiting, self.kv_usage, self.slot_usage, self.spec_accept_len):
+        for g in (self.running, self.waiting, self.kv_usage, self.slot_usage, self.spec_accept_len,
+                  self.engine_up):
             g.labels(model_name).set(0)
         self._last: EngineStats | None = None
 
@@ -106,6 +116,12 @@ class ServerMetrics:
             per_child = max(s.num_output_tokens)
             if per_child > 1:
                 self.tpot.labels(name).observe((t.finished - t.first_output) / (per_child - 1))
+
+    def observe_pause(self) -> None:
+        self.pauses.labels(self.model_name).inc()
+
+    def observe_timeout(self, reason: str) -> None:
+        self.timeouts.labels(self.model_name, reason).inc()
 
     # ---- from the engine process -----------------------------------------------------------
     def update_engine(self, st: EngineStats) -> None:

@@ -1,5 +1,7 @@
 """OpenAI-compatible request schemas (pydantic, validated by FastAPI) and their translation into
-SamplingParams. Unknown fields (and `user`) are accepted and ignored, as OpenAI and vLLM do.
+SamplingParams. Unknown fields are accepted and ignored, as OpenAI and vLLM do; known fields are
+strictly typed (pydantic strict mode: `"stream": "yes"`, `"n": true` or `"max_tokens": "5"` are
+400s, not coerced; an integer is still a valid float). `user` only feeds `--fairness user`.
 
 Supported beyond OpenAI's fields (vLLM's names): top_k, min_p, repetition_penalty, min_tokens,
 stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, prompt_logprobs.
@@ -15,11 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from backboard.sampling_params import SamplingParams
 from backboard.server.errors import APIError, bad_request
 
-MAX_N = 128                    # completions per request (each is a sequence in the engine)
-
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Open):
@@ -53,8 +53,7 @@ class _GenerationRequest(_Open):
     user: str | None = None
 
     def _check_common(self) -> None:
-        if self.n > MAX_N:
-            raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
+        """(n, stop strings and sizes are the server's limits: server/limits.py)"""
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 from backboard.core.outputs import TokenLogprobs
 
@@ -14,6 +14,36 @@ _MIN_LOGPROB = -9999.0          # -inf is not JSON; vLLM clamps the same way
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+_SLICE = 256                    # list items per piece when a large body is encoded in pieces
+_PIECE_DEPTH = 4                # containers this deep or deeper are encoded whole (or sliced)
+
+
+def dumps_pieces(obj: Any, depth: int = 0) -> Iterator[str]:
+    """dumps(obj), in pieces that concatenate to it: long lists are encoded a slice at a time, so
+    the encoder never runs long without letting go of the GIL (large bodies are encoded on a
+    worker thread while the event loop keeps serving)."""
+    if isinstance(obj, list) and len(obj) > _SLICE:
+        yield "["
+        for i in range(0, len(obj), _SLICE):
+            yield ("," if i else "") + dumps(obj[i:i + _SLICE])[1:-1]
+        yield "]"
+    elif isinstance(obj, dict) and depth < _PIECE_DEPTH:
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            yield ("," if i else "") + dumps(k) + ":"
+            yield from dumps_pieces(v, depth + 1)
+        yield "}"
+    elif isinstance(obj, list) and depth < _PIECE_DEPTH:
+        yield "["
+        for i, v in enumerate(obj):
+            if i:
+                yield ","
+            yield from dumps_pieces(v, depth + 1)
+        yield "]"
+    else:
+        yield dumps(obj)
 
 
 def sse(obj: Any) -> bytes:

@@ -3,7 +3,12 @@
 The response waits for the first token before it starts: an error before that point (the engine
 refusing the request, the engine dying) is an ordinary HTTP error, and the first chunk of a stream
 always carries a token. A client that goes away (while waiting, or mid-stream) aborts its request in
-the engine, which frees its KV blocks and state slots."""
+the engine, which frees its KV blocks and state slots.
+
+The work done here per request is bounded (server/limits.py): n, stop strings and prompt
+characters are checked before tokenizing, n x max_tokens and logprob entries before the request
+is sent; long prompts are tokenized, and large non-streamed bodies built and encoded, on worker
+threads, so no request stalls the event loop that serves everyone else."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
@@ -27,9 +32,11 @@ from backboard.engine.request_stream import (
     RequestDelta,
     RequestRejected,
     RequestStream,
+    ServerShuttingDown,
 )
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
+from backboard.server import limits as L
 from backboard.server import responses as R
 from backboard.server.errors import APIError, bad_request, error_body
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -38,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 TIMING_HEADER = "x-backboard-timing"   # ask for the server-side timestamps in the usage chunk
 _INLINE_TOKENIZE_CHARS = 2048          # longer texts are tokenized off the event loop
+_INLINE_BODY_ENTRIES = 16384           # larger non-streamed bodies (tokens + logprob entries) are
+#                                        built and encoded off the event loop
 
 
 class ClientGone(Exception):
@@ -138,32 +147,38 @@ class _Whole:
 
 
 class GenerationHandler:
-    def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1) -> None:
+    def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1,
+                 limits: L.ServerLimits | None = None, max_model_len: int = 1 << 30) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.stream_interval = max(1, stream_interval)
+        self.max_model_len = max_model_len
+        self.limits = (limits or L.ServerLimits()).resolve(max_model_len)
         self.tt = R.TokenText(tokenizer)
         # one thread: the Rust tokenizer is not to be driven from several threads at once
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._body_pool = ThreadPoolExecutor(1, thread_name_prefix="respond")
 
     # ---- entry points ------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
-        params = req.sampling_params()
+        params = self._params(req)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
+            L.check_prompt_chars(self.limits, len(prompt), "prompt")
             text, ids = prompt, await self.encode(prompt)
         else:
             text, ids = None, list(prompt)
         return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
-        params = req.sampling_params()
+        params = self._params(req)
         conv = req.conversation()
+        L.check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
         kw = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kw["continue_final_message"] = True
         add_gen = req.add_generation_prompt and not req.continue_final_message
         try:
-            text = await self._off_loop(sum(len(m["content"]) for m in conv),
+            text = await self.off_loop(sum(len(m["content"]) for m in conv),
                                         self.tokenizer.apply_chat_template, conv, add_gen, **kw)
         except TokenizerError as e:
             raise bad_request(str(e), "messages") from e
@@ -173,10 +188,22 @@ class GenerationHandler:
         ids = await self.encode(text)
         return await self._generate(CHAT, req, raw, arrival, params, ids, text)
 
-    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return await self._off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+    def _params(self, req) -> SamplingParams:
+        params = req.sampling_params()
+        L.check_params(self.limits, params)
+        return params
 
-    async def _off_loop(self, size: int, fn, *args, **kw):
+    def group_of(self, req, rid: str) -> str:
+        """What the engine's fair shares count this request under (EngineArgs.fairness)."""
+        user = getattr(req, "user", None)
+        if self.engine.cfg.scheduler.fairness == "user" and user:
+            return "user:" + user
+        return rid
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self.off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def off_loop(self, size: int, fn, *args, **kw):
         if size <= _INLINE_TOKENIZE_CHARS:
             return fn(*args, **kw)
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, lambda: fn(*args, **kw))
@@ -185,8 +212,12 @@ class GenerationHandler:
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
                         ids: list[int], text: str | None) -> Response:
         rid = kind.id_prefix + uuid.uuid4().hex
+        if len(ids) < self.max_model_len:       # else the engine client says why (InputError)
+            L.check_output(self.limits, params, len(ids), self.max_model_len, req.stream)
         try:
-            stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival)
+            stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival,
+                                             group=self.group_of(req, rid),
+                                             max_pending_tokens=self.limits.stream_buffer_tokens)
         except InputError as e:
             param = "max_tokens" if "max_tokens" in str(e) else ("messages" if kind.chat else "prompt")
             raise bad_request(str(e), param) from e
@@ -204,7 +235,7 @@ class GenerationHandler:
         body = await self._wait(self._collect(call, first), raw, rid)
         if body is None:
             return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+        return Response(body, media_type="application/json", headers=headers)
 
     async def _wait(self, aw, raw: Request, rid: str):
         """Await part of a request before its response starts. None: the client went away (the
@@ -216,20 +247,33 @@ class GenerationHandler:
             return None
         except RequestRejected as e:
             raise bad_request(str(e), "prompt") from e
+        except ServerShuttingDown as e:
+            raise APIError(503, str(e)) from e
         except EngineDeadError as e:
             raise APIError(500, str(e)) from e
         except BaseException:
             self.engine.abort(rid)
             raise
 
-    async def _collect(self, call: _Call, first: list[RequestDelta]) -> dict:
-        """Wait for the whole request; the non-streaming body."""
+    async def _collect(self, call: _Call, first: list[RequestDelta]) -> bytes:
+        """Wait for the whole request; the non-streaming body (JSON), built and encoded on a
+        worker thread when it is large."""
         whole = _Whole(call.params.n)
         deltas = first
         while deltas:
             for d in deltas:
                 whole.add(d)
             deltas = await call.stream.get()
+        size = whole.num_output_tokens * (1 + (call.params.logprobs or 0))
+        if size <= _INLINE_BODY_ENTRIES and whole.prompt_logprobs is None:
+            return R.dumps(self._body(call, whole)).encode()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._body_pool, self._encode_body, call, whole)
+
+    def _encode_body(self, call: _Call, whole: "_Whole") -> bytes:
+        return "".join(R.dumps_pieces(self._body(call, whole))).encode()
+
+    def _body(self, call: _Call, whole: "_Whole") -> dict:
         want_lp = call.params.logprobs is not None
         choices = [self._choice(call, whole, i, want_lp) for i in range(call.params.n)]
         body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
@@ -265,7 +309,7 @@ class GenerationHandler:
                     yield b"".join(events)
                 deltas = await call.stream.get()
         except EngineDeadError as e:
-            yield R.sse(error_body(str(e), "server_error", code=500))
+            yield R.sse(_stream_error(e))
             yield R.SSE_DONE
             return
         if call.include_usage:
@@ -310,6 +354,13 @@ class GenerationHandler:
         d = call.stream.timings.as_dict()
         d["first_chunk"] = call.first_chunk_time
         return d
+
+
+def _stream_error(e: EngineDeadError) -> dict:
+    """The error event that ends a stream the server cannot finish."""
+    if isinstance(e, ServerShuttingDown):
+        return error_body(str(e), "service_unavailable", code=503)
+    return error_body(str(e), "server_error", code=500)
 
 
 async def _unless_disconnected(aw, raw: Request):

@@ -144,6 +144,37 @@ def test_stream_interval_and_sigterm_drain(server_factory):
     assert server.proc.wait(60) == 0, server.log()[-3000:]
 
 
+@pytest.mark.parametrize("how", ["drain-timeout", "second-signal"])
+def test_cut_short_drain_ends_streams_with_an_error_event(server_factory, how):
+    """A drain that cannot wait for a long stream (--drain-timeout 1, or a second SIGTERM): the
+    stream ends with an error event and [DONE], not a truncated body; the server exits 0."""
+    flags = ("--drain-timeout", "1") if how == "drain-timeout" else ()
+    server = server_factory("--max-model-len", "2048", *flags)
+    events: list[str] = []
+
+    def streaming() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=streaming)
+    t.start()
+    _wait_running(server.url)
+    server.proc.send_signal(signal.SIGTERM)
+    if how == "second-signal":
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert not t.is_alive(), "the stream was never ended"
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"], last
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+
+
 def _metric(url: str, name: str) -> float | None:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -153,8 +184,8 @@ def _metric(url: str, name: str) -> float | None:
 
 def test_speculation_metrics_then_engine_death(server_factory):
     """With MTP speculation: greedy streaming equals non-streaming and the spec counters move.
-    Then the engine process is killed: in-flight requests fail (5xx / an error event), /health and
-    new requests answer 503, nothing hangs, and SIGTERM still exits 0."""
+    Then the engine process is killed: in-flight requests fail (5xx / an error event), nothing
+    hangs, and the server exits 1 within seconds."""
     server = server_factory("--max-model-len", "512", "--speculative-config",
                             '{"method": "mtp", "num_speculative_tokens": 2}')
     url = server.url
@@ -200,7 +231,12 @@ def test_speculation_metrics_then_engine_death(server_factory):
     assert results["stream_status"] == 200
     last = [json.loads(e) for e in results["events"] if e != "[DONE]"][-1]
     assert "error" in last and "engine" in last["error"]["message"]
-    assert httpx.get(url + "/health", timeout=10).status_code == 503
-    r = httpx.post(url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503
-    assert server.stop(signal.SIGTERM, timeout=60) == 0
+    # a live port with a dead engine serves nobody: the server exits 1 (a supervisor restarts it);
+    # until then /health and new requests answer 503 and backboard:engine_up is 0
+    try:
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert _metric(url, "backboard:engine_up") == 0
+    except httpx.TransportError:
+        pass                                        # already gone
+    assert server.proc.wait(30) == 1, server.log()[-3000:]
+    assert "exiting: the engine is gone" in server.log()

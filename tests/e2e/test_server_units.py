@@ -82,3 +82,64 @@ def test_not_ready_is_503(server_model):
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert client.get("/openapi.json").status_code == 200
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    """The key can stay out of the command line (`ps` shows it there)."""
+    import argparse
+
+    from backboard.server.cli import api_key_of
+
+    monkeypatch.setenv("BACKBOARD_API_KEY", "from-env")
+    assert api_key_of(argparse.Namespace(api_key=None)) == "from-env"
+    assert api_key_of(argparse.Namespace(api_key="flag")) == "flag"
+    monkeypatch.setenv("BACKBOARD_API_KEY", "")
+    assert api_key_of(argparse.Namespace(api_key=None)) is None
+
+
+def test_a_bug_is_a_500_with_an_error_id_not_its_text(server_model, caplog):
+    """An unexpected exception while serving: the client gets a 500 naming an error id; the
+    exception's text and traceback go to the log under that id. A wrong API key is a 401."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from backboard.engine.tokenizer import Tokenizer
+    from backboard.server.api import ServerState, build_app
+
+    class Broken:
+        state, error, num_unfinished = "ready", None, 0
+        cfg = SimpleNamespace(scheduler=SimpleNamespace(fairness="request"))
+
+        def add_request(self, *args, **kw):
+            raise RuntimeError("secret internal detail")
+
+    state = ServerState(Broken(), Tokenizer(server_model), ["m"], server_model, 512, ServerMetrics("m"),
+                        api_key="k")
+    client = TestClient(build_app(state), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert "secret" not in r.text and "RuntimeError" not in r.text and err["type"] == "server_error"
+    eid = r.headers["x-error-id"]
+    assert eid in err["message"]
+    assert any(eid in rec.getMessage() and rec.exc_info for rec in caplog.records)
+    wrong = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer kk"})
+    assert wrong.status_code == 401
+
+
+@pytest.mark.parametrize("mode", ["request", "user"])
+def test_fair_share_groups(server_model, mode):
+    """--fairness user counts a request under its `user` field (one client's many requests share
+    one group); otherwise, and without a user, under the request itself."""
+    from types import SimpleNamespace
+
+    from backboard.engine.tokenizer import Tokenizer
+    from backboard.server.serving import GenerationHandler
+
+    engine = SimpleNamespace(cfg=SimpleNamespace(scheduler=SimpleNamespace(fairness=mode)))
+    gen = GenerationHandler(engine, Tokenizer(server_model), "m")
+    alice = CompletionRequest.model_validate({"prompt": "x", "user": "alice"})
+    anon = CompletionRequest.model_validate({"prompt": "x"})
+    assert gen.group_of(alice, "cmpl-1") == ("user:alice" if mode == "user" else "cmpl-1")
+    assert gen.group_of(anon, "cmpl-2") == "cmpl-2"
