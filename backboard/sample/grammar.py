@@ -53,12 +53,28 @@ def choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def bounded_strings(schema):
+    """The schema with each length-bounded string as a pattern: xgrammar's rule for minLength /
+    maxLength strings admits raw control characters (invalid JSON); the pattern excludes them."""
+    if isinstance(schema, list):
+        return [bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings(v) for k, v in schema.items()}
+    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
+            and not {"pattern", "format", "enum", "const"} & out.keys()):
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, "" if hi is None else int(hi))
+    return out
+
+
 def to_grammar(so: StructuredOutputsParams):
     """The xgrammar Grammar of a spec (no tokenizer needed). Raises what xgrammar raises."""
     xgr = _xgr()
     kind = so.kind
     if kind == "json":
-        return xgr.Grammar.from_json_schema(so.json, any_whitespace=False, strict_mode=True)
+        schema = bounded_strings(json.loads(so.json))
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     if kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":

@@ -15,6 +15,8 @@ import torch
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from backboard.models.loader import load_model, torch_dtype
+from backboard.ops.token_bitmask import apply_token_bitmask
+from backboard.sample.grammar_mask import GrammarBatch, accept_step_tokens, cut_drafts, fill_step_bitmask
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from backboard.worker.forward_context import set_forward_context
@@ -113,6 +115,7 @@ class ModelRunner:
         self.params = SamplingParamsTable(sc.max_num_seqs)
         self.sampler = Sampler(cfg.seed, self.device)
         self.vocab_size = mc.vocab_size
+        self.grammars: GrammarBatch | None = None     # the engine core's, when it constrains requests
         if proposer is not None:
             proposer.attach(self)
         self.graphs = self._capture_graphs(max_blocks) if use_graphs else None
@@ -146,7 +149,12 @@ class ModelRunner:
         # a decode step needs every row: no gather
         h = hidden if len(rows) == hidden.shape[0] else hidden[torch.from_numpy(rows).to(self.device)]
         logits = self.model.compute_logits(h)
+        grammars = self.grammars.of(plan.req_ids) if self.grammars is not None else None
+        if grammars is not None:
+            self._apply_grammars(plan, grammars, logits)
         sampled, lps, accepted = self._sample(plan, logits)
+        if grammars is not None:
+            accept_step_tokens(grammars, sampled)
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, sampled, lps, accepted, prompt_lps)
         step_s = time.perf_counter() - t0
@@ -155,6 +163,8 @@ class ModelRunner:
             t1 = time.perf_counter()
             out.spec_token_ids = self.proposer.propose(plan, hidden, sampled, accepted,
                                                        so.num_spec_tokens, step_s)
+            if grammars is not None:
+                out.spec_token_ids = cut_drafts(grammars, out.spec_token_ids)
             out.draft_time_s = time.perf_counter() - t1
         return out
 
@@ -165,13 +175,23 @@ class ModelRunner:
         with set_forward_context(inputs.meta, self.caches):
             return self.model(inputs.input_ids, inputs.meta.positions)
 
+    def _apply_grammars(self, plan: StepPlan, grammars, logits: torch.Tensor) -> None:
+        """Mask every constrained logit row (draft rows by the state after the drafts before them)."""
+        bitmask, rows = fill_step_bitmask(grammars, plan.drafts, plan.logit_start, plan.n_logits, self.vocab_size)
+        apply_token_bitmask(logits, bitmask, rows)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
         for rid in so.finished_req_ids:
             b.remove(rid)
+            if self.grammars is not None:
+                self.grammars.remove(rid)
         for nr in so.new_reqs:
             row = b.add(nr.req_id, nr.token_ids, nr.num_prompt_tokens, nr.block_ids, nr.state_slots)
             self.params.set(row, nr.sampling_params, nr.eos_token_ids)
+            if nr.sampling_params.structured_outputs is not None and self.grammars is not None:
+                self.grammars.add(nr.req_id, nr.sampling_params.structured_outputs,
+                                  nr.token_ids[nr.num_prompt_tokens:])
         cr = so.cached_reqs
         for rid, blocks in zip(cr.req_ids, cr.new_block_ids):
             if blocks:
