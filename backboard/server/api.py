@@ -33,6 +33,8 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     stream_interval: int = 1
+    reasoning_parser: str | None = None      # --reasoning-parser
+    tool_call_parser: str | None = None      # --tool-call-parser
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -48,7 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.backboard = state
     app.add_middleware(ArrivalStamp)
     install_error_handlers(app)
-    gen = GenerationHandler(state.engine, state.tokenizer, state.model_name, state.stream_interval)
+    gen = GenerationHandler(state.engine, state.tokenizer, state.model_name, state.stream_interval,
+                            *output_parsers(state.reasoning_parser, state.tool_call_parser, state.tokenizer))
 
     # ---- checks --------------------------------------------------------------------------
     def authorized(request: Request) -> None:
@@ -150,6 +153,16 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": __version__}
 
     return app
+
+
+def output_parsers(reasoning: str | None, tools: str | None, tokenizer):
+    """The reasoning parser (an instance for this tokenizer) and the tool-call parser class named
+    by the flags (None where not asked for); ValueError for an unknown name."""
+    from backboard.server.reasoning import reasoning_parser
+    from backboard.server.tool_parsers import tool_parser_class
+
+    return (reasoning_parser(reasoning, tokenizer) if reasoning else None,
+            tool_parser_class(tools) if tools else None)
 
 
 class ArrivalStamp:

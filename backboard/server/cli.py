@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engine-address", default=None,
                    help="where the front end binds its sockets to the engine process: ipc://DIR, or "
                         "tcp://HOST:PORT (PORT and PORT+1; 0: any free ports) (default: ipc in a temp dir)")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the reasoning block into reasoning_content (qwen3: <think>...</think>)")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="return tool calls as tool_calls: hermes (Qwen3's JSON) or qwen3_xml (Qwen3.5's XML)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: with --tool-call-parser, tool_choice auto always works")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: all cores but one, "
@@ -89,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
                                   **engine_kwargs(args))
         tokenizer = Tokenizer(args.tokenizer or path)
+        from backboard.server.api import output_parsers
+
+        output_parsers(args.reasoning_parser, args.tool_call_parser, tokenizer)   # unknown names stop here
     except (StartupError, ConfigError, TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -99,5 +108,6 @@ def run(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        cpu_threads=args.cpu_threads, engine_address=args.engine_address)
+                        cpu_threads=args.cpu_threads, engine_address=args.engine_address,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     return serve(cfg, tokenizer, opts)

@@ -27,7 +27,13 @@ from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
 from backboard.server import responses as R
 from backboard.server.errors import APIError, bad_request, error_body
+from backboard.sample.grammar import GrammarError
+from backboard.server.chat_output import ChoiceParser, finish_reason
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
+from backboard.server.reasoning import IN_CONTENT, IN_REASONING, ReasoningParser
+from backboard.server.structured import structured_spec, with_reasoning_gate
+from backboard.server.tool_parsers import ToolParser
+from backboard.server.tool_parsers.grammar import tool_choice_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class _Call:
     continuous_usage: bool = False
     want_timing: bool = False
     first_chunk_time: float | None = None
+    parsers: list[ChoiceParser] | None = None     # chat with a reasoning / tool-call parser: per choice
 
 
 @dataclass
@@ -133,9 +140,12 @@ class _Whole:
 
 
 class GenerationHandler:
-    def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1) -> None:
+    def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1,
+                 reasoning_parser: ReasoningParser | None = None,
+                 tool_parser: type[ToolParser] | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.stream_interval = max(1, stream_interval)
+        self.reasoning, self.tool_parser = reasoning_parser, tool_parser
         self.tt = R.TokenText(tokenizer)
         # one thread: the Rust tokenizer is not to be driven from several threads at once
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -143,6 +153,7 @@ class GenerationHandler:
     # ---- entry points ------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
         params = req.sampling_params()
+        params.structured_outputs = structured_spec(req)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
             text, ids = prompt, await self.encode(prompt)
@@ -152,8 +163,11 @@ class GenerationHandler:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
         params = req.sampling_params()
+        req.check_tools()
         conv = req.conversation()
         kw = dict(req.chat_template_kwargs or {})
+        if req.active_tools:
+            kw["tools"] = req.active_tools
         if req.continue_final_message:
             kw["continue_final_message"] = True
         add_gen = req.add_generation_prompt and not req.continue_final_message
@@ -166,7 +180,34 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        return await self._generate(CHAT, req, raw, arrival, params, ids, text)
+        parsers = self._chat_outputs(req, params, ids, kw.get("enable_thinking", True))
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+
+    def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
+                      thinking: bool) -> list[ChoiceParser] | None:
+        """Set the request's grammar (structured output, or the tool_choice one; held off during
+        the reasoning block) and make each choice's output parser (None: plain text)."""
+        so = structured_spec(req)
+        tools = req.active_tools
+        if tools and req.tool_choice not in (None, "auto", "none"):
+            if self.tool_parser is None:
+                raise bad_request("tool_choice required / a named function needs the server started with "
+                                  "--tool-call-parser", "tool_choice")
+            if so is not None:
+                raise bad_request("tool_choice required / a named function cannot be combined with "
+                                  "a structured-output field", "tool_choice")
+            try:
+                so = tool_choice_grammar(self.tool_parser, tools, req.tool_choice, req.parallel_tool_calls)
+            except GrammarError as e:
+                raise bad_request(str(e), e.param) from e
+        state = self.reasoning.initial_state(ids, bool(thinking)) if self.reasoning else IN_CONTENT
+        if self.reasoning is not None and state != IN_CONTENT:
+            so = with_reasoning_gate(so, self.reasoning.think_token_ids, state == IN_REASONING)
+        params.structured_outputs = so
+        tool_parser = self.tool_parser(tools) if tools and self.tool_parser is not None else None
+        if self.reasoning is None and tool_parser is None:
+            return None
+        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls) for _ in range(params.n)]
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return await self._off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
@@ -178,7 +219,7 @@ class GenerationHandler:
 
     # ---- the common path ---------------------------------------------------------------------
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                        ids: list[int], text: str | None) -> Response:
+                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None) -> Response:
         rid = kind.id_prefix + uuid.uuid4().hex
         try:
             stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival)
@@ -188,7 +229,7 @@ class GenerationHandler:
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
         call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
-                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers)
+                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers)
         first = await self._wait(stream.get(), raw, rid)
         if first is None:
             return Response(status_code=499)          # the client is gone (nobody reads this)
@@ -239,7 +280,13 @@ class GenerationHandler:
         finish, stop = whole.finish[i]
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if want_lp else None
-            choice = R.chat_choice(i, text, lp, finish, stop)
+            if call.parsers is not None:
+                parts = call.parsers[i].whole(text)
+                calls = [c.as_openai() for c in parts.tool_calls]
+                choice = R.chat_choice(i, parts.content, lp, finish_reason(finish, bool(calls)), stop,
+                                       reasoning=parts.reasoning, tool_calls=calls)
+            else:
+                choice = R.chat_choice(i, text, lp, finish, stop)
         else:
             lp = R.completion_logprobs(lps, self.tt, 0)[0] if want_lp else None
             choice = R.completion_choice(i, text, lp, finish, stop)
@@ -275,6 +322,8 @@ class GenerationHandler:
             if due is None:
                 continue
             choice = self._chunk_choice(call, chunks, d, *due)
+            if choice is None:
+                continue
             chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
             if call.continuous_usage:
                 chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens)
@@ -288,18 +337,34 @@ class GenerationHandler:
             final["backboard_timing"] = self._timing(call)
         return final
 
-    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict:
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict | None:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
             first = not chunks.started[i]
             chunks.started[i] = True
+            if call.parsers is not None:
+                return self._parsed_delta(call.parsers[i], d, text, first, lp)
             content = text if (text or first or d.finish_reason is None) else None
             return R.chat_delta_choice(i, content, first, lp, d.finish_reason, d.stop_reason)
         lp = None
         if lps is not None:
             lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
         return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+
+    @staticmethod
+    def _parsed_delta(p: ChoiceParser, d: CompletionDelta, text: str, first: bool, lp) -> dict | None:
+        """A chunk of reasoning / content / tool-call deltas; None when the parser holds this text
+        back (a marker may be starting) and there is nothing else to send."""
+        dm = p.feed(text)
+        if d.finish_reason is not None:
+            dm = dm.add(p.finish())
+        finish = finish_reason(d.finish_reason, p.num_calls > 0)
+        if not dm and not first and finish is None and lp is None:
+            return None
+        calls = [t.as_openai() for t in dm.tool_calls] or None
+        return R.chat_delta_choice(d.index, dm.content or None, first, lp, finish, d.stop_reason,
+                                   reasoning=dm.reasoning or None, tool_calls=calls)
 
     def _timing(self, call: _Call) -> dict[str, Any]:
         d = call.stream.timings.as_dict()

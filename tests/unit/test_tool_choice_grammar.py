@@ -41,6 +41,7 @@ def test_required_and_named_grammars_match_the_parser(parser):
     named = tool_choice_grammar(parser, TOOLS, {"type": "function", "function": {"name": "noop"}})
     assert accepts(required, weather) and accepts(required, noop) and accepts(required, weather + "\n" + noop)
     assert not accepts(required, "Sure, " + weather) and not accepts(required, "")
+    assert not accepts(required, weather + " and some text")                 # calls only
     assert not accepts(required, weather.replace("2", '"two"'))          # arguments follow the schema
     assert accepts(named, noop) and not accepts(named, weather)
     for text in (weather, noop):

@@ -1,5 +1,5 @@
-"""The grammar of `tool_choice`: "required" (at least one call, of any tool) and a named function
-(exactly one call of it) constrain the output to the parser's call format, each call's arguments to
+"""The grammar of `tool_choice`: "required" (one or more calls, of any tools, nothing else) and a
+named function (exactly one call of it) constrain the output to the parser's call format, each call's arguments to
 its tool's JSON schema, so even a small model returns calls that parse. xgrammar builds the
 structural tag of each model family's format; "auto" and "none" need no grammar."""
 
@@ -38,6 +38,12 @@ def tool_choice_grammar(parser: type[ToolParser], tools: list[dict], tool_choice
             parallel_tool_calls=parallel_tool_calls and name is None, max_whitespace_cnt=MAX_WHITESPACE)
     except Exception as e:  # noqa: BLE001 - pydantic / ValueError on a malformed tool
         raise GrammarError(f"invalid tools for tool_choice: {e}", "tools") from e
+    fmt = tag.format
+    if isinstance(fmt, xgrammar.structural_tag.TriggeredTagsFormat):
+        # "required": calls only, one per line, then the end (xgrammar's form allows free text
+        # after the calls, which a weak model fills up to max_tokens)
+        tag.format = xgrammar.structural_tag.TagsWithSeparatorFormat(
+            tags=fmt.tags, separator="\n", at_least_one=True, stop_after_first=fmt.stop_after_first)
     so = StructuredOutputsParams(structural_tag=tag.model_dump_json())
     check_structured_outputs(so, "tools")
     return so
