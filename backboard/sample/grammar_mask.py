@@ -67,6 +67,8 @@ def fill_step_bitmask(grammars: Sequence[RequestGrammar | None], drafts: Sequenc
             if j == len(d) or not g.accept(int(d[j])):
                 break                   # later rows are never used: draft j is rejected at row j
             taken += 1
+            if g.is_terminated:
+                break                   # a stop token ends the request: later rows are never used
         g.rollback(taken)
     return bitmask, rows
 

@@ -87,6 +87,11 @@ class RequestGrammar:
         if self.gate == REASONING:
             bitmask[row].fill_(-1)
             return False
+        if self.matcher.is_terminated():       # past its stop token (ignore_eos): only stop tokens
+            bitmask[row].fill_(0)
+            for t in self.matcher.stop_token_ids:
+                _set_bit(bitmask, row, t)
+            return True
         need = self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.gate == START and self.think_start >= 0:
             _set_bit(bitmask, row, self.think_start)

@@ -57,7 +57,9 @@ class ChoiceParser:
 
     def whole(self, text: str) -> ChatMessageParts:
         d = self.feed(text).add(self.finish())
-        return ChatMessageParts(d.reasoning or None, d.content or None, merge_deltas(d.tool_calls))
+        calls = merge_deltas(d.tool_calls)
+        content = None if calls and not d.content.strip() else (d.content or None)   # separators only
+        return ChatMessageParts(d.reasoning or None, content, calls)
 
     def _calls(self, rd: ReasoningDelta) -> DeltaMessage:
         if self.in_content is None:

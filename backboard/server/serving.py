@@ -30,7 +30,7 @@ from backboard.server.errors import APIError, bad_request, error_body
 from backboard.sample.grammar import GrammarError
 from backboard.server.chat_output import ChoiceParser, finish_reason
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
-from backboard.server.reasoning import IN_CONTENT, IN_REASONING, ReasoningParser
+from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningParser
 from backboard.server.structured import structured_spec, with_reasoning_gate
 from backboard.server.tool_parsers import ToolParser
 from backboard.server.tool_parsers.grammar import tool_choice_grammar
@@ -180,13 +180,17 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        parsers = self._chat_outputs(req, params, ids, kw.get("enable_thinking", True))
+        parsers = self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
         return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
 
     def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
-                      thinking: bool) -> list[ChoiceParser] | None:
-        """Set the request's grammar (structured output, or the tool_choice one; held off during
-        the reasoning block) and make each choice's output parser (None: plain text)."""
+                      thinking: bool | None) -> list[ChoiceParser] | None:
+        """Set the request's grammar (structured output, or the tool_choice one) and make each
+        choice's output parser (None: plain text).
+
+        The grammar waits for the end of the reasoning block when the prompt opened one, or when
+        thinking was asked for (enable_thinking) and the model opens the block itself; otherwise it
+        holds from the first token (a weak model would otherwise escape it into a block of its own)."""
         so = structured_spec(req)
         tools = req.active_tools
         if tools and req.tool_choice not in (None, "auto", "none"):
@@ -200,8 +204,8 @@ class GenerationHandler:
                 so = tool_choice_grammar(self.tool_parser, tools, req.tool_choice, req.parallel_tool_calls)
             except GrammarError as e:
                 raise bad_request(str(e), e.param) from e
-        state = self.reasoning.initial_state(ids, bool(thinking)) if self.reasoning else IN_CONTENT
-        if self.reasoning is not None and state != IN_CONTENT:
+        state = self.reasoning.initial_state(ids, thinking is not False) if self.reasoning else IN_CONTENT
+        if state == IN_REASONING or (state == MAY_OPEN and thinking is True):
             so = with_reasoning_gate(so, self.reasoning.think_token_ids, state == IN_REASONING)
         params.structured_outputs = so
         tool_parser = self.tool_parser(tools) if tools and self.tool_parser is not None else None

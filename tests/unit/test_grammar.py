@@ -165,6 +165,17 @@ def test_step_bitmask_masks_each_draft_row_by_the_state_after_earlier_drafts(tok
     assert grammars[0].legal_prefix([x]) == 1
 
 
+def test_drafts_past_the_stop_token_and_ignore_eos(tok, compiler):
+    eos = tok[1].convert_tokens_to_ids("<|im_end|>")
+    g = RequestGrammar(compiler.get(SO(regex="[0-9]x")), SO(regex="[0-9]x"))
+    g.accept_committed(ids(tok, "1x"))
+    bm, rows = fill_step_bitmask([g], [[eos, 5, 6]], np.array([0]), np.array([4]), VOCAB)
+    assert rows == [0] and allowed(bm, 0) == {eos}
+    g.accept_committed([eos])                      # ignore_eos: the request goes on
+    bm, rows = fill_step_bitmask([g], [[]], np.array([0]), np.array([1]), VOCAB)
+    assert rows == [0] and allowed(bm, 0) == {eos}
+
+
 def test_preempted_request_replays_its_outputs(tok, compiler):
     so = SO(regex="[0-9]+x")
     batch = GrammarBatch(compiler.get)
