@@ -43,6 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="return tool calls as tool_calls: hermes (Qwen3's JSON) or qwen3_xml (Qwen3.5's XML)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: with --tool-call-parser, tool_choice auto always works")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="no page at / (chat playground, dashboard, scorecards) and no /api/ routes")
+    g.add_argument("--scorecard-dir", default=None,
+                   help="results folders the page's scorecard viewer lists (default: "
+                        "benchmarks/results of a source checkout)")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: all cores but one, "
@@ -109,5 +114,6 @@ def run(args: argparse.Namespace) -> int:
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
                         cpu_threads=args.cpu_threads, engine_address=args.engine_address,
-                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

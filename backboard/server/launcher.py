@@ -41,6 +41,8 @@ class ServeOptions:
     engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    disable_frontend: bool = False
+    scorecard_dir: str | None = None
 
 
 class _Server(uvicorn.Server):
@@ -114,7 +116,8 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                       addresses=opts.engine_address)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
                         api_key=opts.api_key, stream_interval=opts.stream_interval,
-                        reasoning_parser=opts.reasoning_parser, tool_call_parser=opts.tool_call_parser)
+                        reasoning_parser=opts.reasoning_parser, tool_call_parser=opts.tool_call_parser,
+                        frontend=not opts.disable_frontend, scorecard_dir=opts.scorecard_dir)
     config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level=opts.log_level,
                             access_log=opts.access_log, timeout_graceful_shutdown=30,
                             timeout_keep_alive=30, lifespan="off")

@@ -20,15 +20,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, RequestDelta, RequestRejected,
-                                             RequestStream)
 from backboard.engine.output_processor import InputError
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+)
 from backboard.engine.tokenizer import TokenizerError
+from backboard.sample.grammar import GrammarError
 from backboard.sampling_params import SamplingParams
 from backboard.server import responses as R
-from backboard.server.errors import APIError, bad_request, error_body
-from backboard.sample.grammar import GrammarError
 from backboard.server.chat_output import ChoiceParser, finish_reason
+from backboard.server.errors import APIError, bad_request, error_body
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
 from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningParser
 from backboard.server.structured import structured_spec, with_reasoning_gate

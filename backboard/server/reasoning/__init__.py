@@ -3,8 +3,14 @@ into `reasoning_content`."""
 
 from __future__ import annotations
 
-from backboard.server.reasoning.base import (IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningDelta,
-                                             ReasoningParser, ReasoningStream)
+from backboard.server.reasoning.base import (
+    IN_CONTENT,
+    IN_REASONING,
+    MAY_OPEN,
+    ReasoningDelta,
+    ReasoningParser,
+    ReasoningStream,
+)
 from backboard.server.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -6,8 +6,14 @@
 
 from __future__ import annotations
 
-from backboard.server.tool_parsers.base import (CallIndex, ToolCall, ToolCallDelta, ToolCallStream, ToolParser,
-                                                merge_deltas)
+from backboard.server.tool_parsers.base import (
+    CallIndex,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    merge_deltas,
+)
 from backboard.server.tool_parsers.hermes import HermesToolParser
 from backboard.server.tool_parsers.qwen_xml import QwenXmlToolParser
 
