@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API key, readiness and draining, error handling.
 
     POST /v1/completions, /v1/chat/completions   (streaming and not)
+    POST /v1/responses                           (the Responses API; server/responses_api.py)
     GET  /v1/models, /health, /metrics, /version
     POST /tokenize, /detokenize                  (vLLM's shapes)
 """
@@ -26,6 +27,7 @@ from backboard.server.protocol import (
     TokenizeCompletionRequest,
     model_not_found,
 )
+from backboard.server.responses_api import ResponsesRequest, create_response
 from backboard.server.serving import GenerationHandler
 
 
@@ -104,6 +106,14 @@ def build_app(state: ServerState) -> FastAPI:
         req = await _parse_body(raw, ChatCompletionRequest)
         check_model(req.model)
         return await gen.chat(req, raw, _arrival(raw))
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(raw: Request) -> Response:
+        authorized(raw)
+        serving()
+        req = await _parse_body(raw, ResponsesRequest)
+        check_model(req.model)
+        return await create_response(gen, req, raw, _arrival(raw))
 
     # ---- models, tokenizer ----------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(authorized)])

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -167,6 +167,23 @@ class GenerationHandler:
         return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+        params, ids, text, parsers = await self.prepare_chat(req)
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request, arrival: float,
+                         id_prefix: str = "resp_") -> "tuple[_Call, list[RequestDelta]] | None":
+        """A chat request started in the engine, for another API's shape (/v1/responses): the call
+        and its first deltas, or None when the client went away first."""
+        params, ids, text, parsers = await self.prepare_chat(req)
+        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers)
+
+    async def collect(self, call: "_Call", first: list[RequestDelta], raw: Request) -> dict | None:
+        """The chat completion body of a started call once it is whole (None: the client went away)."""
+        return await self._wait(self._collect(call, first), raw, call.request_id)
+
+    async def prepare_chat(self, req: ChatCompletionRequest):
+        """(params, prompt ids, prompt text, per-choice output parsers) of a chat request; 400s for
+        bad messages, tools or structured-output fields."""
         params = req.sampling_params()
         req.check_tools()
         conv = req.conversation()
@@ -185,8 +202,7 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        parsers = self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
-        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
 
     def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                       thinking: bool | None) -> list[ChoiceParser] | None:
@@ -229,6 +245,24 @@ class GenerationHandler:
     # ---- the common path ---------------------------------------------------------------------
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
                         ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None) -> Response:
+        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers)
+        if started is None:
+            return Response(status_code=499)          # the client is gone (nobody reads this)
+        call, first = started
+        rid = call.request_id
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return SSEResponse(self._events(call, first), on_close=lambda: self.engine.abort(rid),
+                               headers=headers)
+        body = await self._wait(self._collect(call, first), raw, rid)
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
+
+    async def _start(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
+                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None):
+        """Add the request to the engine and wait for its first deltas: (call, first), or None
+        when the client went away first."""
         rid = kind.id_prefix + uuid.uuid4().hex
         try:
             stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival)
@@ -240,16 +274,7 @@ class GenerationHandler:
         call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
                      req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers)
         first = await self._wait(stream.get(), raw, rid)
-        if first is None:
-            return Response(status_code=499)          # the client is gone (nobody reads this)
-        headers = {"x-request-id": rid}
-        if req.stream:
-            return SSEResponse(self._events(call, first), on_close=lambda: self.engine.abort(rid),
-                               headers=headers)
-        body = await self._wait(self._collect(call, first), raw, rid)
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+        return None if first is None else (call, first)
 
     async def _wait(self, aw, raw: Request, rid: str):
         """Await part of a request before its response starts. None: the client went away (the
