@@ -8,6 +8,47 @@ from typing import Any
 
 from backboard.constants import GREEDY_TEMPERATURE
 
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names; exactly one of the kinds): a JSON schema (as
+    compact JSON text), any JSON object, a regex, one of several strings, a grammar (EBNF, or Lark),
+    or an xgrammar structural tag (JSON text; what tool calls are constrained with).
+
+    think_token_ids (<think>, </think>), set by the server's reasoning parser, holds the grammar
+    off during the reasoning block: it applies from the token after </think>. think_open: the
+    prompt opened the block (the output starts inside it); otherwise a <think> as the first token
+    opens one."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    think_token_ids: tuple[int, int] | None = None
+    think_open: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(GRAMMAR_KINDS)}; "
+                             f"got {', '.join(set_) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar depends on (the compile cache's key)."""
+        v = getattr(self, self.kind)
+        return self.kind, ("\x00".join(v) if isinstance(v, list) else "" if v is True else v)
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +71,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (plus the prompt token)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

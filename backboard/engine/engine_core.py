@@ -9,13 +9,17 @@ import time
 from backboard.config import EngineConfig
 from backboard.core.outputs import EngineCoreOutput, SchedulerStats
 from backboard.core.scheduler import Scheduler
+from backboard.engine.structured_output import StructuredOutputManager
 from backboard.request import EngineCoreRequest, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 0.05        # idle but for grammars compiling: how long one step waits for them
+
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
+        from backboard.sample.grammar_mask import GrammarBatch
         from backboard.worker.model_runner import ModelRunner
 
         self.cfg = cfg
@@ -28,6 +32,8 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache.block_size, self.runner.num_blocks,
                                    self.runner.num_slots if cfg.model.is_hybrid else None,
                                    cfg.num_spec_tokens)
+        self.structured = StructuredOutputManager(cfg)
+        self.runner.grammars = GrammarBatch(self.structured.compiler.get)
         self.num_steps = 0
         self.num_tokens_generated = 0
         self.num_prompt_tokens = 0
@@ -36,11 +42,14 @@ class EngineCore:
         self.schedule_time_s = self.execute_time_s = self.forward_time_s = 0.0
 
     def add_request(self, ecr: EngineCoreRequest) -> None:
-        """Raises ValueError when the request cannot be served (e.g. it can never fit)."""
-        self.scheduler.add_request(Request(ecr, self.cfg.scheduler.max_model_len))
+        """Raises ValueError when the request cannot be served (e.g. it can never fit). A request
+        whose grammar is still compiling waits out of the scheduler until it is."""
+        if not self.structured.hold(ecr):
+            self.scheduler.add_request(Request(ecr, self.cfg.scheduler.max_model_len))
         self.num_prompt_tokens += len(ecr.prompt_token_ids)
 
     def abort_requests(self, req_ids) -> list[EngineCoreOutput]:
+        self.structured.abort(req_ids)
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, req_ids) -> list[EngineCoreOutput]:
@@ -48,7 +57,7 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(len(self.structured))
 
     def has_work(self) -> bool:
         """Something to step: an unfinished request that is not paused (engine/core_proc.py
@@ -57,11 +66,12 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
+        failed = self._admit_compiled()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
         ro = self.runner.execute_model(so)
         t2 = time.perf_counter()
-        outs = self.scheduler.update_from_output(so, ro)
+        outs = failed + self.scheduler.update_from_output(so, ro)
         self.schedule_time_s += t1 - t0 + time.perf_counter() - t2
         self.execute_time_s += t2 - t1
         self.forward_time_s += ro.forward_time_s
@@ -70,6 +80,22 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             self.scheduler.check_integrity()      # idle: every block and slot must be back
         return outs
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar is ready join the scheduler (if they are all there is, wait a
+        moment for one rather than spin)."""
+        if not len(self.structured):
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.structured.wait(GRAMMAR_WAIT_S)
+        ready, failed = self.structured.take_ready()
+        for ecr in ready:
+            try:
+                self.scheduler.add_request(Request(ecr, self.cfg.scheduler.max_model_len))
+            except ValueError as e:
+                logger.warning("request %s: %s", ecr.request_id, e)
+                failed.append(EngineCoreOutput(ecr.request_id, [], finish_reason="abort"))
+        return failed
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

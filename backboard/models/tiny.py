@@ -21,11 +21,47 @@ ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3")
 PRESETS = ("tiny", "demo", "small")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# added tokens that decoding keeps in the text, as in Qwen's tokenizers: the reasoning and
+# tool-call markers (their parsers read the text)
+KEPT_IN_TEXT = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# ChatML, with Qwen3.5's tool calling (tools in the system turn, XML calls, tool results as user
+# turns) and its thinking switch (enable_thinking opens <think> in the prompt, or closes it empty);
+# without tools or enable_thinking a conversation renders as plain ChatML
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nTo call a function, reply with:\n<tool_call>\n<function=NAME>\n"
+    "<parameter=NAME>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}"
+    "{%- if message['role'] == 'system' and tools and loop.first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\n<tool_call>\n<function=' + f['name'] + '>\n' -}}"
+    "{%- for name, value in (f['arguments'] or {}) | items -%}"
+    "{{- '<parameter=' + name + '>\n' -}}"
+    "{%- if value is mapping or (value is sequence and value is not string) -%}{{- value | tojson -}}"
+    "{%- else -%}{{- value | string -}}{%- endif -%}"
+    "{{- '\n</parameter>\n' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    "{{- '</function>\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' + '\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\n' -}}"
+    "{%- elif enable_thinking is defined -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 _WORDS = (
@@ -68,7 +104,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 1000) -> int:
     """Train a byte-level BPE tokenizer (Qwen-like: ChatML specials) and save it with transformers.
 
     Returns the tokenizer's total size (base vocabulary + special tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -80,7 +116,9 @@ def build_tokenizer(out_dir: str, vocab_size: int = 1000) -> int:
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in KEPT_IN_TEXT],
+        clean_up_tokenization_spaces=False)
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in KEPT_IN_TEXT])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return len(fast)

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API key, readiness and draining, error handling.
 
     POST /v1/completions, /v1/chat/completions   (streaming and not)
+    POST /v1/responses                           (the Responses API; server/responses_api.py)
     GET  /v1/models, /health, /metrics, /version
     POST /tokenize, /detokenize                  (vLLM's shapes)
 
@@ -33,6 +34,7 @@ from backboard.server.protocol import (
     TokenizeCompletionRequest,
     model_not_found,
 )
+from backboard.server.responses_api import ResponsesRequest, create_response
 from backboard.server.serving import GenerationHandler
 
 
@@ -47,6 +49,8 @@ class ServerState:
     api_key: str | None = None
     stream_interval: int = 1
     limits: ServerLimits = field(default_factory=ServerLimits)
+    reasoning_parser: str | None = None      # --reasoning-parser
+    tool_call_parser: str | None = None      # --tool-call-parser
     draining: bool = False
     active_requests: int = 0               # HTTP requests in flight (their responses not done)
     frontend: bool = False                 # the page at / and its /api/ routes (server/frontend.py)
@@ -64,7 +68,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Backboard", version=__version__)
     app.state.backboard = state
     gen = GenerationHandler(state.engine, state.tokenizer, state.model_name, state.stream_interval,
-                            state.limits, state.max_model_len)
+                            state.limits, state.max_model_len,
+                            *output_parsers(state.reasoning_parser, state.tool_call_parser, state.tokenizer))
     state.limits = gen.limits                                  # resolved against max_model_len
     app.add_middleware(BodyGuard, limits=state.limits)
     app.add_middleware(RequestGuard, state=state)              # outermost: sees every request
@@ -100,21 +105,25 @@ def build_app(state: ServerState) -> FastAPI:
     # ---- generation -----------------------------------------------------------------------
     # The hot paths parse their body themselves (pydantic's JSON parser straight from bytes, plain
     # checks instead of dependency injection): a fraction of FastAPI's per-request cost.
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
-    async def completions(raw: Request) -> Response:
+    async def checked(raw: Request, model):
+        """The request's body, once the key, the engine's readiness and the model name are checked."""
         authorized(raw)
         serving()
-        req = await _parse_body(raw, CompletionRequest)
+        req = await _parse_body(raw, model)
         check_model(req.model)
-        return await gen.completions(req, raw, _arrival(raw))
+        return req
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await gen.completions(await checked(raw, CompletionRequest), raw, _arrival(raw))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
-        authorized(raw)
-        serving()
-        req = await _parse_body(raw, ChatCompletionRequest)
-        check_model(req.model)
-        return await gen.chat(req, raw, _arrival(raw))
+        return await gen.chat(await checked(raw, ChatCompletionRequest), raw, _arrival(raw))
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(raw: Request) -> Response:
+        return await create_response(gen, await checked(raw, ResponsesRequest), raw, _arrival(raw))
 
     # ---- models, tokenizer ----------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -183,6 +192,16 @@ def build_app(state: ServerState) -> FastAPI:
 
         install_frontend(app, state, authorized)
     return app
+
+
+def output_parsers(reasoning: str | None, tools: str | None, tokenizer):
+    """The reasoning parser (an instance for this tokenizer) and the tool-call parser class named
+    by the flags (None where not asked for); ValueError for an unknown name."""
+    from backboard.server.reasoning import reasoning_parser
+    from backboard.server.tool_parsers import tool_parser_class
+
+    return (reasoning_parser(reasoning, tokenizer) if reasoning else None,
+            tool_parser_class(tools) if tools else None)
 
 
 class RequestGuard:

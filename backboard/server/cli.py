@@ -40,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engine-address", default=None,
                    help="where the front end binds its sockets to the engine process: ipc://DIR, or "
                         "tcp://HOST:PORT (PORT and PORT+1; 0: any free ports) (default: ipc in a temp dir)")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the reasoning block into reasoning_content (qwen3: <think>...</think>)")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="return tool calls as tool_calls: hermes (Qwen3's JSON) or qwen3_xml (Qwen3.5's XML)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: with --tool-call-parser, tool_choice auto always works")
     g.add_argument("--disable-frontend", action="store_true",
                    help="no page at / (chat playground, dashboard, scorecards) and no /api/ routes")
     g.add_argument("--scorecard-dir", default=None,
@@ -100,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
                                   **engine_kwargs(args))
         tokenizer = Tokenizer(args.tokenizer or path)
+        from backboard.server.api import output_parsers
+
+        output_parsers(args.reasoning_parser, args.tool_call_parser, tokenizer)   # unknown names stop here
     except (StartupError, ConfigError, TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -111,5 +120,6 @@ def run(args: argparse.Namespace) -> int:
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
                         engine_address=args.engine_address, limits=limits,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                         disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

@@ -56,6 +56,8 @@ class ServeOptions:
     drain_timeout_s: float = 600.0
     engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     disable_frontend: bool = False
     scorecard_dir: str | None = None
 
@@ -171,6 +173,7 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                       addresses=opts.engine_address, on_pause=metrics.observe_pause)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
                         api_key=opts.api_key, stream_interval=opts.stream_interval, limits=opts.limits,
+                        reasoning_parser=opts.reasoning_parser, tool_call_parser=opts.tool_call_parser,
                         frontend=not opts.disable_frontend, scorecard_dir=opts.scorecard_dir)
     app = build_app(state)
     lim = state.limits

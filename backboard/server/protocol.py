@@ -10,6 +10,7 @@ a completions batch of more than one prompt (send one request per prompt)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,6 +52,13 @@ class _GenerationRequest(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output (server/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _check_common(self) -> None:
         """(n, stop strings and sizes are the server's limits: server/limits.py)"""
@@ -140,6 +148,9 @@ class ChatMessage(_Open):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # assistant turns that called tools
+    tool_call_id: str | None = None                    # tool results
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -154,14 +165,35 @@ class ChatMessage(_Open):
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them (text content only)."""
+    """Messages as the chat template takes them (text content only; tool calls with their
+    arguments as objects, as templates iterate them)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     return out
+
+
+def _template_call(call: dict[str, Any], i: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls: each call needs function.name", "messages")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise bad_request(f"messages[{i}].tool_calls: arguments of {fn['name']} are not JSON: {e}",
+                              "messages") from e
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -173,9 +205,39 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
+
+    def check_tools(self) -> None:
+        """tools and tool_choice as OpenAI defines them (400s naming the field)."""
+        names = []
+        for i, t in enumerate(self.tools or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+                raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                                  "tools")
+            names.append(fn["name"])
+        tc = self.tool_choice
+        if isinstance(tc, str) and tc not in ("auto", "none", "required"):
+            raise bad_request(f"tool_choice must be auto, none, required or a function; got {tc!r}", "tool_choice")
+        if tc is not None and tc != "none" and not names:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if isinstance(tc, dict):
+            name = (tc.get("function") or {}).get("name") if tc.get("type") == "function" else None
+            if name is None:
+                raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                                  "tool_choice")
+            if name not in names:
+                raise bad_request(f"tool_choice names an unknown tool {name!r}; tools: {names}", "tool_choice")
+
+    @property
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the template and the parser see (none with tool_choice "none")."""
+        return None if self.tool_choice == "none" else (self.tools or None)
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()

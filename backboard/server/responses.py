@@ -141,18 +141,26 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None,
-                                        "tool_calls": []},
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None = None, reasoning: str | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": tool_calls or []}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return {"index": index, "message": message,
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chat_delta_choice(index: int, text: str | None, first: bool, logprobs: dict | None,
-                      finish_reason: str | None, stop_reason: int | str | None = None) -> dict:
+                      finish_reason: str | None, stop_reason: int | str | None = None,
+                      reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     if text is not None:
         delta["content"] = text
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,

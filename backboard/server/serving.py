@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -35,11 +35,17 @@ from backboard.engine.request_stream import (
     ServerShuttingDown,
 )
 from backboard.engine.tokenizer import TokenizerError
+from backboard.sample.grammar import GrammarError
 from backboard.sampling_params import SamplingParams
 from backboard.server import limits as L
 from backboard.server import responses as R
+from backboard.server.chat_output import ChoiceParser, finish_reason
 from backboard.server.errors import APIError, bad_request, error_body
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
+from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningParser
+from backboard.server.structured import structured_spec, with_reasoning_gate
+from backboard.server.tool_parsers import ToolParser
+from backboard.server.tool_parsers.grammar import tool_choice_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class _Call:
     continuous_usage: bool = False
     want_timing: bool = False
     first_chunk_time: float | None = None
+    parsers: list[ChoiceParser] | None = None     # chat with a reasoning / tool-call parser: per choice
 
 
 @dataclass
@@ -148,11 +155,14 @@ class _Whole:
 
 class GenerationHandler:
     def __init__(self, engine: AsyncLLM, tokenizer, model_name: str, stream_interval: int = 1,
-                 limits: L.ServerLimits | None = None, max_model_len: int = 1 << 30) -> None:
+                 limits: L.ServerLimits | None = None, max_model_len: int = 1 << 30,
+                 reasoning_parser: ReasoningParser | None = None,
+                 tool_parser: type[ToolParser] | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.stream_interval = max(1, stream_interval)
         self.max_model_len = max_model_len
         self.limits = (limits or L.ServerLimits()).resolve(max_model_len)
+        self.reasoning, self.tool_parser = reasoning_parser, tool_parser
         self.tt = R.TokenText(tokenizer)
         # one thread: the Rust tokenizer is not to be driven from several threads at once
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -161,6 +171,7 @@ class GenerationHandler:
     # ---- entry points ------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
         params = self._params(req)
+        params.structured_outputs = structured_spec(req)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
             L.check_prompt_chars(self.limits, len(prompt), "prompt")
@@ -170,15 +181,36 @@ class GenerationHandler:
         return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+        params, ids, text, parsers = await self.prepare_chat(req)
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request, arrival: float,
+                         id_prefix: str = "resp_") -> "tuple[_Call, list[RequestDelta]] | None":
+        """A chat request started in the engine, for another API's shape (/v1/responses): the call
+        and its first deltas, or None when the client went away first."""
+        params, ids, text, parsers = await self.prepare_chat(req)
+        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers)
+
+    async def collect(self, call: "_Call", first: list[RequestDelta], raw: Request) -> dict | None:
+        """The chat completion body of a started call once it is whole (None: the client went away)."""
+        whole = await self._wait(self._gather(call, first), raw, call.request_id)
+        return None if whole is None else self._body(call, whole)
+
+    async def prepare_chat(self, req: ChatCompletionRequest):
+        """(params, prompt ids, prompt text, per-choice output parsers) of a chat request; 400s for
+        bad messages, tools or structured-output fields."""
         params = self._params(req)
+        req.check_tools()
         conv = req.conversation()
-        L.check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
+        L.check_prompt_chars(self.limits, sum(len(m.get("content") or "") for m in conv), "messages")
         kw = dict(req.chat_template_kwargs or {})
+        if req.active_tools:
+            kw["tools"] = req.active_tools
         if req.continue_final_message:
             kw["continue_final_message"] = True
         add_gen = req.add_generation_prompt and not req.continue_final_message
         try:
-            text = await self.off_loop(sum(len(m["content"]) for m in conv),
+            text = await self.off_loop(sum(len(m.get("content") or "") for m in conv),
                                         self.tokenizer.apply_chat_template, conv, add_gen, **kw)
         except TokenizerError as e:
             raise bad_request(str(e), "messages") from e
@@ -186,7 +218,37 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        return await self._generate(CHAT, req, raw, arrival, params, ids, text)
+        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
+
+    def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
+                      thinking: bool | None) -> list[ChoiceParser] | None:
+        """Set the request's grammar (structured output, or the tool_choice one) and make each
+        choice's output parser (None: plain text).
+
+        The grammar waits for the end of the reasoning block when the prompt opened one, or when
+        thinking was asked for (enable_thinking) and the model opens the block itself; otherwise it
+        holds from the first token (a weak model would otherwise escape it into a block of its own)."""
+        so = structured_spec(req)
+        tools = req.active_tools
+        if tools and req.tool_choice not in (None, "auto", "none"):
+            if self.tool_parser is None:
+                raise bad_request("tool_choice required / a named function needs the server started with "
+                                  "--tool-call-parser", "tool_choice")
+            if so is not None:
+                raise bad_request("tool_choice required / a named function cannot be combined with "
+                                  "a structured-output field", "tool_choice")
+            try:
+                so = tool_choice_grammar(self.tool_parser, tools, req.tool_choice, req.parallel_tool_calls)
+            except GrammarError as e:
+                raise bad_request(str(e), e.param) from e
+        state = self.reasoning.initial_state(ids, thinking is not False) if self.reasoning else IN_CONTENT
+        if state == IN_REASONING or (state == MAY_OPEN and thinking is True):
+            so = with_reasoning_gate(so, self.reasoning.think_token_ids, state == IN_REASONING)
+        params.structured_outputs = so
+        tool_parser = self.tool_parser(tools) if tools and self.tool_parser is not None else None
+        if self.reasoning is None and tool_parser is None:
+            return None
+        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls) for _ in range(params.n)]
 
     def _params(self, req) -> SamplingParams:
         params = req.sampling_params()
@@ -210,7 +272,25 @@ class GenerationHandler:
 
     # ---- the common path ---------------------------------------------------------------------
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                        ids: list[int], text: str | None) -> Response:
+                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None) -> Response:
+        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers)
+        if started is None:
+            return Response(status_code=499)          # the client is gone (nobody reads this)
+        call, first = started
+        rid = call.request_id
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return SSEResponse(self._events(call, first), on_close=lambda: self.engine.abort(rid),
+                               headers=headers)
+        body = await self._wait(self._collect(call, first), raw, rid)
+        if body is None:
+            return Response(status_code=499)
+        return Response(body, media_type="application/json", headers=headers)
+
+    async def _start(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
+                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None):
+        """Add the request to the engine and wait for its first deltas: (call, first), or None
+        when the client went away first."""
         rid = kind.id_prefix + uuid.uuid4().hex
         if len(ids) < self.max_model_len:       # else the engine client says why (InputError)
             L.check_output(self.limits, params, len(ids), self.max_model_len, req.stream)
@@ -224,18 +304,9 @@ class GenerationHandler:
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
         call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
-                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers)
+                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers)
         first = await self._wait(stream.get(), raw, rid)
-        if first is None:
-            return Response(status_code=499)          # the client is gone (nobody reads this)
-        headers = {"x-request-id": rid}
-        if req.stream:
-            return SSEResponse(self._events(call, first), on_close=lambda: self.engine.abort(rid),
-                               headers=headers)
-        body = await self._wait(self._collect(call, first), raw, rid)
-        if body is None:
-            return Response(status_code=499)
-        return Response(body, media_type="application/json", headers=headers)
+        return None if first is None else (call, first)
 
     async def _wait(self, aw, raw: Request, rid: str):
         """Await part of a request before its response starts. None: the client went away (the
@@ -258,17 +329,22 @@ class GenerationHandler:
     async def _collect(self, call: _Call, first: list[RequestDelta]) -> bytes:
         """Wait for the whole request; the non-streaming body (JSON), built and encoded on a
         worker thread when it is large."""
+        whole = await self._gather(call, first)
+        size = whole.num_output_tokens * (1 + (call.params.logprobs or 0))
+        if size <= _INLINE_BODY_ENTRIES and whole.prompt_logprobs is None:
+            return R.dumps(self._body(call, whole)).encode()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._body_pool, self._encode_body, call, whole)
+
+    async def _gather(self, call: _Call, first: list[RequestDelta]) -> "_Whole":
+        """Every delta of the call, gathered."""
         whole = _Whole(call.params.n)
         deltas = first
         while deltas:
             for d in deltas:
                 whole.add(d)
             deltas = await call.stream.get()
-        size = whole.num_output_tokens * (1 + (call.params.logprobs or 0))
-        if size <= _INLINE_BODY_ENTRIES and whole.prompt_logprobs is None:
-            return R.dumps(self._body(call, whole)).encode()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._body_pool, self._encode_body, call, whole)
+        return whole
 
     def _encode_body(self, call: _Call, whole: "_Whole") -> bytes:
         return "".join(R.dumps_pieces(self._body(call, whole))).encode()
@@ -288,7 +364,13 @@ class GenerationHandler:
         finish, stop = whole.finish[i]
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if want_lp else None
-            choice = R.chat_choice(i, text, lp, finish, stop)
+            if call.parsers is not None:
+                parts = call.parsers[i].whole(text)
+                calls = [c.as_openai() for c in parts.tool_calls]
+                choice = R.chat_choice(i, parts.content, lp, finish_reason(finish, bool(calls)), stop,
+                                       reasoning=parts.reasoning, tool_calls=calls)
+            else:
+                choice = R.chat_choice(i, text, lp, finish, stop)
         else:
             lp = R.completion_logprobs(lps, self.tt, 0)[0] if want_lp else None
             choice = R.completion_choice(i, text, lp, finish, stop)
@@ -324,6 +406,8 @@ class GenerationHandler:
             if due is None:
                 continue
             choice = self._chunk_choice(call, chunks, d, *due)
+            if choice is None:
+                continue
             chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
             if call.continuous_usage:
                 chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens)
@@ -337,18 +421,34 @@ class GenerationHandler:
             final["backboard_timing"] = self._timing(call)
         return final
 
-    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict:
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict | None:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
             first = not chunks.started[i]
             chunks.started[i] = True
+            if call.parsers is not None:
+                return self._parsed_delta(call.parsers[i], d, text, first, lp)
             content = text if (text or first or d.finish_reason is None) else None
             return R.chat_delta_choice(i, content, first, lp, d.finish_reason, d.stop_reason)
         lp = None
         if lps is not None:
             lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
         return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+
+    @staticmethod
+    def _parsed_delta(p: ChoiceParser, d: CompletionDelta, text: str, first: bool, lp) -> dict | None:
+        """A chunk of reasoning / content / tool-call deltas; None when the parser holds this text
+        back (a marker may be starting) and there is nothing else to send."""
+        dm = p.feed(text)
+        if d.finish_reason is not None:
+            dm = dm.add(p.finish())
+        finish = finish_reason(d.finish_reason, p.num_calls > 0)
+        if not dm and not first and finish is None and lp is None:
+            return None
+        calls = [t.as_openai() for t in dm.tool_calls] or None
+        return R.chat_delta_choice(d.index, dm.content or None, first, lp, finish, d.stop_reason,
+                                   reasoning=dm.reasoning or None, tool_calls=calls)
 
     def _timing(self, call: _Call) -> dict[str, Any]:
         d = call.stream.timings.as_dict()

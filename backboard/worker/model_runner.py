@@ -19,6 +19,8 @@ from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
 from backboard.ops import dispatch
+from backboard.ops.token_bitmask import apply_token_bitmask
+from backboard.sample.grammar_mask import GrammarBatch, accept_step_tokens, cut_drafts, fill_step_bitmask
 from backboard.sample.metadata import SamplingParamsTable, SpecDecodeMetadata, build_sampling_metadata
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
@@ -51,6 +53,7 @@ class ModelRunner:
         self.params = SamplingParamsTable(sc.max_num_seqs)
         self.sampler = Sampler(cfg.seed, self.device)
         self.vocab_size = mc.vocab_size
+        self.grammars: GrammarBatch | None = None     # the engine core's, when it constrains requests
         self.proposer: Proposer | None = None
         if proposer is not None:
             self.use_proposer(proposer)
@@ -109,7 +112,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.forward_timer.start()             # stopped once the logits are computed (_logits)
         hidden = self._forward(plan.inputs)
-        result = self._sample(plan, hidden)
+        grammars = self.grammars.of(plan.req_ids) if self.grammars is not None else None
+        result = self._sample(plan, hidden, grammars)
+        if grammars is not None:
+            accept_step_tokens(grammars, result.token_ids)
         self.forward_timer.stop()              # a step without logit rows ends here
         prompt_lps = self._prompt_logprobs(plan, hidden)
         out = self._commit(plan, result, prompt_lps)
@@ -119,6 +125,8 @@ class ModelRunner:
         if self.proposer is not None:
             t1 = time.perf_counter()
             out.spec_token_ids = self.proposer.propose(plan, hidden, result, so.num_spec_tokens, step_s)
+            if grammars is not None:
+                out.spec_token_ids = cut_drafts(grammars, out.spec_token_ids)
             out.draft_time_s = time.perf_counter() - t1
         return out
 
@@ -133,10 +141,15 @@ class ModelRunner:
         b = self.batch
         for rid in so.finished_req_ids:
             b.remove(rid)
+            if self.grammars is not None:
+                self.grammars.remove(rid)
         for nr in so.new_reqs:
             row = b.add(nr.req_id, nr.token_ids, nr.num_prompt_tokens, nr.block_ids, nr.state_slots,
                         nr.num_prompt_logprobs_emitted)
             self.params.set(row, nr.sampling_params, nr.eos_token_ids)
+            if nr.sampling_params.structured_outputs is not None and self.grammars is not None:
+                self.grammars.add(nr.req_id, nr.sampling_params.structured_outputs,
+                                  nr.token_ids[nr.num_prompt_tokens:])
         cr = so.cached_reqs
         for rid, blocks in zip(cr.req_ids, cr.new_block_ids):
             if blocks:
@@ -154,13 +167,15 @@ class ModelRunner:
         self.forward_timer.stop()
         return logits
 
-    def _sample(self, plan: StepPlan, hidden: torch.Tensor) -> SampleResult:
-        """Tokens for every sampling request (verifying drafts where there are any) and their
-        logprobs when asked for."""
+    def _sample(self, plan: StepPlan, hidden: torch.Tensor, grammars=None) -> SampleResult:
+        """Tokens for every sampling request (verifying drafts where there are any, masked by
+        their grammars where they have one) and their logprobs when asked for."""
         result = SampleResult.empty(len(plan.rows))
         if len(plan.logit_rows) == 0:
             return result
         logits = self._logits(plan, hidden)
+        if grammars is not None:
+            self._apply_grammars(plan, grammars, logits)
         if not plan.has_spec and self.params.plain_greedy[plan.rows[plan.sample_mask]].all():
             # the common case needs nothing but an argmax per request
             for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), logits.argmax(-1).tolist()):
@@ -181,6 +196,11 @@ class ModelRunner:
             for i, lps in sampled_logprobs(logits, tokens, plan.logit_start, md.num_logprobs).items():
                 result.logprobs[i] = lps
         return result
+
+    def _apply_grammars(self, plan: StepPlan, grammars, logits: torch.Tensor) -> None:
+        """Mask every constrained logit row (draft rows by the state after the drafts before them)."""
+        bitmask, rows = fill_step_bitmask(grammars, plan.drafts, plan.logit_start, plan.num_logits, self.vocab_size)
+        apply_token_bitmask(logits, bitmask, rows)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, list]:
         """For requests with prompt_logprobs: logprobs of the prompt tokens this step's positions
