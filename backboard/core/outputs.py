@@ -40,6 +40,12 @@ class SchedulerOutput:
     spec_decode_tokens: dict[str, list[int]]      # req_id -> drafts verified this step
     finished_req_ids: set[str]                    # finished / aborted / preempted: drop them
     num_spec_tokens: int = 0                      # drafts to propose for the next step (k)
+    # prefix caching: copies the worker makes before this step's forward (even in an otherwise
+    # empty step), each list in order: (src block, dst block) for the K and V of every attention
+    # layer (the proposer's too); (src slot, dst slot) for the conv and recurrent state of every
+    # GDN layer
+    kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -99,3 +105,6 @@ class SchedulerStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_draft_time_s: float = 0.0
     spec_verify_time_s: float = 0.0
+    prefix_cache_queries: int = 0                 # tokens of admitted requests looked up
+    prefix_cache_hits: int = 0                    # of which served from the prefix cache
+    prefix_cache_checkpoints: int = 0             # GDN state checkpoints held now
