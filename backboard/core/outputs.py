@@ -90,6 +90,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                    # prompt tokens the prefix cache served
 
 
 @dataclass

@@ -346,7 +346,7 @@ class Scheduler:
         return EngineCoreOutput(req.request_id, new_tokens, logprobs, prompt_logprobs,
                                 FINISH_REASON.get(req.status), req.stop_reason, req.num_prompt_tokens,
                                 req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                req.num_preemptions)
+                                req.num_preemptions, req.num_cached_tokens)
 
     # ---- observability -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

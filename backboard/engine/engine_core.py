@@ -26,10 +26,16 @@ class EngineCore:
         self.runner = ModelRunner(cfg, proposer)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache.block_size, self.runner.num_blocks,
                                    self.runner.num_slots if cfg.model.is_hybrid else None,
-                                   cfg.num_spec_tokens)
+                                   cfg.num_spec_tokens, self._prefix_cache_settings(proposer))
         self.num_steps = 0
         self.num_tokens_generated = 0
         self.num_prompt_tokens = 0
+
+    def _prefix_cache_settings(self, proposer):
+        from backboard.worker.memory import prefix_cache_settings
+
+        extra = proposer.num_extra_attn_layers if proposer is not None else 0
+        return prefix_cache_settings(self.cfg, self.runner.dtype, extra)
 
     def add_request(self, ecr: EngineCoreRequest) -> None:
         """Raises ValueError when the request cannot be served (e.g. it can never fit)."""
@@ -59,9 +65,21 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
     def describe(self) -> str:
+        from backboard.worker.memory import num_checkpoint_slots_for
+
         r, c = self.runner, self.cfg
+        ck = num_checkpoint_slots_for(c)
+        slots = (f"state slots: {r.num_slots} ({r.num_slots - ck} for running requests, "
+                 f"{c.scheduler.max_num_seqs} x {1 + c.num_spec_tokens}; {ck} more for prefix-cache state "
+                 "checkpoints)")
+        pc = ("on" + (f", a state checkpoint every {c.cache.checkpoint_interval} prompt tokens"
+                      if c.model.is_hybrid and c.cache.checkpoint_interval else "")
+              if c.cache.enable_prefix_caching else "off")
         return (f"KV cache: {r.num_blocks} blocks x {c.cache.block_size} tokens = "
-                f"{r.num_blocks * c.cache.block_size} tokens; state slots: {r.num_slots} "
-                f"({c.scheduler.max_num_seqs} requests x {1 + c.num_spec_tokens}); "
-                f"max_model_len {c.scheduler.max_model_len}; device {c.device}; dtype {c.model.dtype}")
+                f"{r.num_blocks * c.cache.block_size} tokens; " + (slots + "; " if c.model.is_hybrid else "")
+                + f"prefix caching {pc}; max_model_len {c.scheduler.max_model_len}; device {c.device}; "
+                f"dtype {c.model.dtype}")

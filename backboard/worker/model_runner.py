@@ -14,9 +14,11 @@ import torch
 
 from backboard.config import EngineConfig
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from backboard.core.state_pool import verify_slot_order
 from backboard.models.loader import load_model, torch_dtype
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
+from backboard.worker.cache_ops import apply_cache_copies
 from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import InputBatch, StepInputs, build_step, group_order
 from backboard.worker.memory import allocate_caches, plan_cache, profile_activation_bytes
@@ -136,6 +138,8 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.kv_block_copies or so.state_copies:       # prefix caching: before anything is written
+            apply_cache_copies(self.caches, so.kv_block_copies, so.state_copies)
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [], [])
@@ -219,11 +223,9 @@ class ModelRunner:
         return plan
 
     def _verify_slots(self, row: int, L: int) -> np.ndarray:
-        """Destination slot of the state after each verify row: the current slot first, then the
-        request's other slots (row j's state lands in dst[j]; no copy on acceptance)."""
-        slots = self.batch.state_slots[row]
-        cur = self.batch.cur_slot[row]
-        return np.concatenate([[cur], slots[slots != cur]])[:L]
+        """Destination slot of the state after each verify row (core/state_pool.verify_slot_order:
+        the scheduler follows the same rule to know which slot holds a request's state)."""
+        return np.array(verify_slot_order(self.batch.state_slots[row].tolist(), int(self.batch.cur_slot[row]), L))
 
     def _sampling_metadata(self, plan: StepPlan) -> tuple[SamplingMetadata, np.ndarray]:
         """Metadata for every logit row; also the row -> request index map."""
