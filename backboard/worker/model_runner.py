@@ -225,6 +225,8 @@ class ModelRunner:
     def _verify_slots(self, row: int, L: int) -> np.ndarray:
         """Destination slot of the state after each verify row (core/state_pool.verify_slot_order:
         the scheduler follows the same rule to know which slot holds a request's state)."""
+        if self.caches.conv is None:                  # no GDN layers: nothing to place
+            return np.zeros(L, dtype=np.int64)
         return np.array(verify_slot_order(self.batch.state_slots[row].tolist(), int(self.batch.cur_slot[row]), L))
 
     def _sampling_metadata(self, plan: StepPlan) -> tuple[SamplingMetadata, np.ndarray]:
