@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "serve": "backboard.server.cli",
     "generate": "backboard.engine.cli",
     "bench": "backboard.bench.cli",
-    "draft": "backboard.spec.cli",
+    "draft": "backboard.spec_decode.cli",
     "tiny-model": "backboard.models.cli",
 }
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="backboard", description="Backboard LLM inference engine")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, mod in SUBCOMMANDS.items():
+    for mod in SUBCOMMANDS.values():
         try:
             importlib.import_module(mod).register(sub)
         except ModuleNotFoundError as e:

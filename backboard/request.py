@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from backboard.sampling_params import SamplingParams
 
-
 FINISH_REASON: dict[int, str] = {}
 
 
@@ -65,6 +64,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # prompt tokens 1..n whose logprobs were emitted: kept across preemption, so recomputed
+        # prompt positions emit no second set
+        self.num_prompt_logprobs_emitted = 0
         self.spec_token_ids: list[int] = []     # drafts to verify in the next step
         self.block_ids: list[int] = []
         self.state_slots: list[int] = []

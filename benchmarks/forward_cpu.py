@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backboard.config import ModelConfig  # noqa: E402
+from backboard.forward_context import set_forward_context  # noqa: E402
 from backboard.models.loader import load_model, torch_dtype  # noqa: E402
 from backboard.models.tiny import build_tiny_checkpoint  # noqa: E402
-from backboard.worker.forward_context import set_forward_context  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 

@@ -74,14 +74,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from backboard.config import ModelConfig  # noqa: E402
+from backboard.forward_context import get_forward_context, set_forward_context  # noqa: E402
 from backboard.layers.rotary import RotaryEmbedding  # noqa: E402
 from backboard.models.qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 from backboard.ops import dispatch as D  # noqa: E402
 from backboard.ops import quant  # noqa: E402
-from backboard.ops.attention import paged_attention_prefill, paged_attention_uniform, write_kv  # noqa: E402
-from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref  # noqa: E402
-from backboard.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
-from backboard.worker.forward_context import get_forward_context, set_forward_context  # noqa: E402
+from backboard.ops.attention import paged_attention_decode_ref, paged_attention_prefill, write_kv  # noqa: E402
+from backboard.ops.norm import gated_rms_norm_ref, rms_norm_ref  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 
@@ -469,7 +468,7 @@ def kernel_checks(plan: Plan, calib: dict) -> list[dict]:
         nbytes = int(seq.sum()) * nkv * hd * it * 2 + 2 * q.numel() * it
         run_case(out, plan, calib, f"paged_attention B={B} L={L} ctx<={ctx}",
                  lambda q=q, seq=seq, L=L: (q, kc, vc, bt, seq, ctx + L, hd ** -0.5),
-                 paged_attention_uniform, _triton(D.paged_attention_decode), [("out", tol)], nbytes)
+                 paged_attention_decode_ref, _triton(D.paged_attention_decode), [("out", tol)], nbytes)
 
     # -- norms, SiLU-mul --
     T, H = c["T"], d["hidden"]
@@ -800,7 +799,7 @@ def engine_check(plan: Plan) -> list[dict]:
     fails loudly when the runner fell back to eager (a failed capture is only logged there)."""
     import tempfile
 
-    from backboard import LLM, SamplingParams
+    from backboard import SamplingParams
     from backboard.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"), arch="qwen3_5")
@@ -876,7 +875,8 @@ def main(args: argparse.Namespace) -> int:
     results: dict = dict(gpu=name, date=stamp, smoke=plan.smoke, torch=torch.__version__,
                          triton=triton_version, python=platform.python_version(),
                          shapes=plan.dims, dtype=str(plan.dtype).replace("torch.", ""),
-                         notes=["floor_frac = floor / measured time; eager_over_kernels = eager time / kernel-path time",
+                         notes=["floor_frac = floor / measured time; "
+                                "eager_over_kernels = eager time / kernel-path time",
                                 "decode floor: (weights + KV read + GDN states read and written) / copy bandwidth",
                                 "prefill floor: (matmul + attention + chunked-GDN FLOPs) / measured bf16 matmul rate"])
 

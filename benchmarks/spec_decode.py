@@ -55,7 +55,7 @@ def main() -> None:
         build_tiny_checkpoint(model, arch="qwen3_5", init_std=0.02)
     draft = args.draft or os.path.join(tmp, "backboard-bench-draft")
     if not os.path.isfile(os.path.join(draft, "config.json")):
-        from backboard.spec.train import self_generated_text, train_draft_head
+        from backboard.spec_decode.train import self_generated_text, train_draft_head
 
         print(f"training a draft head ({args.train_steps} steps) into {draft} ...", flush=True)
         text = self_generated_text(model, 48, 128, seed=0)

@@ -61,7 +61,7 @@ def measure(path: str, n: int, steps: int, greedy: bool) -> dict[str, float]:
     tm.wrap(eng.scheduler, "schedule", "schedule")
     tm.wrap(eng.scheduler, "update_from_output", "update")
     tm.wrap(r, "_update_states", "prepare")
-    tm.wrap(r, "_prepare_inputs", "prepare")
+    tm.wrap(r, "_prepare", "prepare")
     tm.wrap(r, "_sample", "sample")
     tm.wrap(r, "_commit", "commit")
     tm.wrap(llm.outputs, "process", "detokenize")

@@ -223,14 +223,23 @@ def _register_scorecard(bsub) -> None:
     p.add_argument("--ours", default="backboard", help="the target to score (default backboard)")
     p.add_argument("--out-dir", help="default: RESULTS_DIR")
     p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=lambda a: _score(a.results_dir, a.ours, a.out_dir, not a.no_plots))
+    p.add_argument("--html", action="store_true",
+                   help="also write scorecard.html: one self-contained report (tables, plots "
+                        "embedded); from scorecard.json alone where the raw results are gone")
+    p.set_defaults(func=lambda a: _score(a.results_dir, a.ours, a.out_dir, not a.no_plots, a.html))
 
 
-def _score(results_dir: str, ours: str, out_dir: str | None, plots: bool) -> int:
-    from backboard.bench.scorecard import write_scorecard
+def _score(results_dir: str, ours: str, out_dir: str | None, plots: bool, html: bool = False) -> int:
+    from backboard.bench.scorecard import load_results, load_scorecard, write_scorecard
+    from backboard.bench.scorecard_html import write_html
 
     try:
-        sc, paths = write_scorecard(results_dir, ours, out_dir, plots)
+        if html and not load_results(results_dir)[0]:
+            sc, paths = load_scorecard(results_dir, ours), []     # a written scorecard only
+        else:
+            sc, paths = write_scorecard(results_dir, ours, out_dir, plots)
+        if html:
+            paths.append(write_html(results_dir, ours, out_dir, plots))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -197,7 +197,13 @@ def _wins_by_metric(sc: dict) -> list[str]:
 
 
 def write_plots(sc: dict, out_dir: str) -> list[str]:
-    """Output throughput vs concurrency; latency percentiles; throughput vs interactivity."""
+    """The figures as PNG files in out_dir; their paths."""
+    return [_save(fig, out_dir, name) for name, fig in figures(sc)]
+
+
+def figures(sc: dict) -> list[tuple[str, "object"]]:
+    """(file name, matplotlib figure): output throughput vs concurrency; latency percentiles;
+    throughput vs interactivity. The caller saves and closes them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,7 +226,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.minorticks_off()
 
-    paths = []
+    figs = []
     n = len(shapes)
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, s in zip(axes[0], shapes):
@@ -231,7 +237,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
         conc_axis(ax)
         ax.grid(alpha=0.3)
         ax.legend()
-    paths.append(_save(fig, out_dir, "throughput_vs_concurrency.png"))
+    figs.append(("throughput_vs_concurrency.png", fig))
 
     styles = {"median": "-", "p90": "--", "p99": ":", "mean": "-."}
     fig, axes = plt.subplots(len(LATENCIES), n, figsize=(5 * n, 3.5 * len(LATENCIES)),
@@ -248,7 +254,7 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
             conc_axis(ax)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    paths.append(_save(fig, out_dir, "latency_percentiles.png"))
+    figs.append(("latency_percentiles.png", fig))
 
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, s in zip(axes[0], shapes):
@@ -265,8 +271,8 @@ def write_plots(sc: dict, out_dir: str) -> list[str]:
                ylabel="output tokens/s", title=f"input {s[0]} / output {s[1]}")
         ax.grid(alpha=0.3)
         ax.legend()
-    paths.append(_save(fig, out_dir, "throughput_vs_interactivity.png"))
-    return paths
+    figs.append(("throughput_vs_interactivity.png", fig))
+    return figs
 
 
 def _save(fig, out_dir: str, name: str) -> str:
@@ -277,6 +283,17 @@ def _save(fig, out_dir: str, name: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def load_scorecard(results_dir: str, ours: str = "backboard") -> dict:
+    """The scorecard of a results folder: built from its sweep results, or, where only the
+    written scorecard was kept (committed results), read from its scorecard.json."""
+    written = os.path.join(results_dir, "scorecard.json")
+    points = load_results(results_dir)[0]
+    if not points and os.path.isfile(written):
+        with open(written) as f:
+            return json.load(f)
+    return build_scorecard(results_dir, ours)
 
 
 def write_scorecard(results_dir: str, ours: str = "backboard", out_dir: str | None = None,

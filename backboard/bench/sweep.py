@@ -53,6 +53,7 @@ import httpx
 
 from backboard.bench.client import get_backend
 from backboard.bench.serve import BenchError, ServeConfig, check_base_url, run_serve, write_json
+from backboard.ops.cpu.build import cpu_flags, cpu_model
 
 
 class SweepError(RuntimeError):
@@ -243,7 +244,7 @@ def environment_info() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "packages": packages,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_isa": _cpu_isa(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -252,28 +253,9 @@ def environment_info() -> dict:
     }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cpu_isa() -> list[str]:
     """The vector ISA flags that choose CPU kernels (AVX2, AVX-512 and its BF16, AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(x for x in line.split(":", 1)[1].split()
-                                  if x.startswith(("avx2", "avx512", "amx", "fma")))
-    except OSError:
-        pass
-    return []
+    return sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "amx", "fma")))
 
 
 def _memory_gib() -> float | None:

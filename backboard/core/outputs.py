@@ -20,6 +20,8 @@ class NewRequestData:
     block_ids: list[int]
     state_slots: list[int]
     num_computed_tokens: int
+    # prompt logprobs already emitted for prompt tokens 1..n (only positions >= n compute them)
+    num_prompt_logprobs_emitted: int = 0
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ModelRunnerOutput:
     accepted_per_position: list[int] | None = None  # over all requests: accepted at draft pos i
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    forward_time_s: float = 0.0                   # model forward + LM head (worker/step_timing.py)
 
 
 @dataclass(slots=True)
@@ -106,6 +109,7 @@ class SchedulerStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_draft_time_s: float = 0.0
     spec_verify_time_s: float = 0.0
+    num_prompt_tokens_total: int = 0              # prompts prefilled (counted at their first token)
     prefix_cache_queries: int = 0                 # tokens of admitted requests looked up
     prefix_cache_hits: int = 0                    # of which served from the prefix cache
     prefix_cache_checkpoints: int = 0             # GDN state checkpoints held now

@@ -21,8 +21,14 @@ import time
 
 from backboard.config import SchedulerConfig
 from backboard.core.kv_cache_manager import KVCacheManager
-from backboard.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                    NewRequestData, SchedulerOutput, SchedulerStats)
+from backboard.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from backboard.core.prefix_cache import PrefixCache, PrefixCacheSettings
 from backboard.core.state_pool import StatePool, verify_slot_order
 from backboard.request import FINISH_REASON, Request, RequestStatus
@@ -92,6 +98,7 @@ class Scheduler:
         self._runner_knows: set[str] = set()
         self._finished_for_runner: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0
         self.spec_stats = SchedulerStats()
 
     # ---- requests in and out --------------------------------------------------------------
@@ -274,7 +281,8 @@ class Scheduler:
                 req_id=rid, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, eos_token_ids=tuple(req.eos_token_ids),
                 block_ids=list(req.block_ids), state_slots=list(req.state_slots),
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens,
+                num_prompt_logprobs_emitted=req.num_prompt_logprobs_emitted))
         num_scheduled[rid] = n
         num_spec = req.num_computed_tokens + n - len(req.all_token_ids)
         if num_spec > 0:
@@ -305,6 +313,7 @@ class Scheduler:
                     req.state_slots, req.current_state_slot, len(drafts) + 1)[len(new_tokens) - 1]
             if new_tokens and req.first_token_time is None:
                 req.first_token_time = now
+                self.num_prompt_tokens_total += req.num_prompt_tokens
             if ro.spec_token_ids is not None and not req.is_finished:
                 req.spec_token_ids = ro.spec_token_ids[i]
             else:
@@ -313,6 +322,8 @@ class Scheduler:
             if lps is not None:
                 lps = lps[:len(new_tokens)]
             plp = ro.prompt_logprobs.get(rid) if ro.prompt_logprobs else None
+            if plp:
+                req.num_prompt_logprobs_emitted += len(plp)
             finished = req.status != running
             if finished:
                 self.running.remove(req)
@@ -360,7 +371,7 @@ class Scheduler:
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_position=list(s.spec_accepted_per_position),
             spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s,
-            **self._prefix_stats())
+            num_prompt_tokens_total=self.num_prompt_tokens_total, **self._prefix_stats())
 
     def _prefix_stats(self) -> dict[str, int]:
         if self.prefix is None:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -33,8 +33,15 @@ from backboard.core.outputs import EngineCoreOutput
 from backboard.engine import messages as M
 from backboard.engine.core_proc import run_engine_core
 from backboard.engine.output_processor import CompletionOutput, RequestOutput
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, EngineStartError,
-                                             RequestDelta, RequestRejected, RequestStream, RequestTimings)
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    EngineStartError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+    RequestTimings,
+)
 from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, bound_address, make_socket
 from backboard.request import EngineCoreRequest
 from backboard.sampling_params import SamplingParams
@@ -68,6 +75,8 @@ class AsyncLLM:
         self.state = "new"
         self.error: str | None = None
         self.description = ""
+        self.info: dict[str, Any] = {}   # the engine's configuration and build (engine_info.py)
+        self.detokenize_time_s = 0.0     # cumulative: OutputProcessor.process on this loop
         self._ready: asyncio.Future | None = None
         self._hello = self._ready_msg = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,7 +241,7 @@ class AsyncLLM:
         if isinstance(msg, M.StepOutputs):
             self._on_step(msg)
         elif isinstance(msg, M.EngineReady):
-            self.description, self._ready_msg = msg.description, True
+            self.description, self.info, self._ready_msg = msg.description, msg.info, True
             self._maybe_ready()
         elif isinstance(msg, M.EngineStartFailed):
             self.state, self.error = "dead", msg.message
@@ -300,7 +309,9 @@ class AsyncLLM:
     def _route(self, outputs: list[EngineCoreOutput], now: float) -> None:
         """Detokenize (OutputProcessor) and queue each touched request's delta on its stream."""
         touched = self._touched(outputs, now)
+        t0 = time.perf_counter()
         results, to_stop = self.outputs.process(outputs)
+        self.detokenize_time_s += time.perf_counter() - t0
         if to_stop:
             self._send(M.StopRequests(to_stop))
         for ro in results:

@@ -99,7 +99,7 @@ def _start_core(cfg: EngineConfig, cpu_threads: int | None, io: EngineIO):
         logger.debug("engine start-up failed", exc_info=True)
         io.send(M.EngineStartFailed(type(e).__name__, str(e)))
         return None
-    io.send(M.EngineReady(core.describe()))
+    io.send(M.EngineReady(core.describe(), core.info()))
     return core
 
 
@@ -201,4 +201,5 @@ class EngineCoreProc:
         if key == self.last_stats:
             return None
         self.last_stats, self.last_stats_time = key, now
-        return M.EngineStats(s, self.core.num_steps, self.step_time_s, now - self.start, now)
+        return M.EngineStats(s, self.core.num_steps, self.step_time_s, now - self.start, now,
+                             self.core.num_tokens_generated, self.core.phase_times())

@@ -4,6 +4,7 @@ own process behind the HTTP server (engine/core_proc.py)."""
 from __future__ import annotations
 
 import logging
+import time
 
 from backboard.config import EngineConfig
 from backboard.core.outputs import EngineCoreOutput, SchedulerStats
@@ -20,7 +21,7 @@ class EngineCore:
         self.cfg = cfg
         proposer = None
         if cfg.spec is not None:
-            from backboard.spec import build_proposer
+            from backboard.spec_decode import build_proposer
 
             proposer = build_proposer(cfg)
         self.runner = ModelRunner(cfg, proposer)
@@ -30,6 +31,9 @@ class EngineCore:
         self.num_steps = 0
         self.num_tokens_generated = 0
         self.num_prompt_tokens = 0
+        # cumulative seconds of step(): in the scheduler (schedule + update), in the runner, and
+        # the runner's forward pass (model + LM head)
+        self.schedule_time_s = self.execute_time_s = self.forward_time_s = 0.0
 
     def _prefix_cache_settings(self, proposer):
         from backboard.worker.memory import prefix_cache_settings
@@ -53,9 +57,15 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        t1 = time.perf_counter()
         ro = self.runner.execute_model(so)
+        t2 = time.perf_counter()
         outs = self.scheduler.update_from_output(so, ro)
+        self.schedule_time_s += t1 - t0 + time.perf_counter() - t2
+        self.execute_time_s += t2 - t1
+        self.forward_time_s += ro.forward_time_s
         self.num_steps += 1
         self.num_tokens_generated += sum(len(o.new_token_ids) for o in outs)
         if not self.scheduler.has_unfinished_requests():
@@ -67,6 +77,18 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
+
+    def phase_times(self) -> dict[str, float]:
+        """Cumulative seconds of step() by phase: schedule, forward, draft (proposing), sample
+        (the rest of the runner: inputs, sampling, bookkeeping)."""
+        draft = self.scheduler.spec_stats.spec_draft_time_s
+        return {"schedule": self.schedule_time_s, "forward": self.forward_time_s, "draft": draft,
+                "sample": max(0.0, self.execute_time_s - self.forward_time_s - draft)}
+
+    def info(self) -> dict:
+        from backboard.engine.engine_info import engine_info
+
+        return engine_info(self)
 
     def describe(self) -> str:
         from backboard.worker.memory import num_checkpoint_slots_for

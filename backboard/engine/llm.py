@@ -12,8 +12,7 @@ from typing import Any, Sequence
 
 from backboard.config import EngineConfig
 from backboard.engine.engine_core import EngineCore
-from backboard.engine.output_processor import (InputProcessor, OutputProcessor, ParentRequest,
-                                               RequestOutput)
+from backboard.engine.output_processor import InputProcessor, OutputProcessor, ParentRequest, RequestOutput
 from backboard.engine.tokenizer import Tokenizer
 from backboard.sampling_params import SamplingParams
 

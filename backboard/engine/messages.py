@@ -17,7 +17,7 @@ msgspec.ValidationError instead of producing a half-built object.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -52,6 +52,7 @@ InputMessage = Union[AddRequests, AbortRequests, StopRequests, Shutdown]
 # ---- engine -> front end ------------------------------------------------------------------------
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     description: str                        # one line: cache sizes, device, dtype
+    info: dict[str, Any] = {}               # the engine's configuration and build (engine_info.py)
 
 
 class EngineStartFailed(msgspec.Struct, tag="start_failed", array_like=True):
@@ -76,6 +77,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     step_time_s: float = 0.0          # cumulative wall time spent inside EngineCore.step()
     uptime_s: float = 0.0             # since the loop started
     time: float = 0.0                 # time.time() when taken
+    num_generation_tokens: int = 0    # cumulative tokens sampled
+    phase_time_s: dict[str, float] = {}  # cumulative step time per phase (EngineCore.phase_times())
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

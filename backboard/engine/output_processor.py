@@ -169,7 +169,8 @@ class ParentRequest:
         if len(self.children) == 1:
             return self.params
         seed = None if self.params.seed is None else self.params.seed + i
-        return self.params.clone(n=1, seed=seed)
+        # the children share the prompt: only child 0 computes its logprobs
+        return self.params.clone(n=1, seed=seed, prompt_logprobs=None if i else self.params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -242,7 +243,7 @@ class OutputProcessor:
         if parent is None:
             return []
         ids = []
-        for i, c in enumerate(parent.children):
+        for i in range(len(parent.children)):
             cid = parent.child_id(i)
             if self.child_to_parent.pop(cid, None) is not None:
                 ids.append(cid)

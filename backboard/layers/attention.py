@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backboard.forward_context import get_forward_context
 from backboard.ops import dispatch
 from backboard.ops.attention import paged_attention_prefill, write_kv
-from backboard.worker.forward_context import get_forward_context
 
 
 class PagedAttention(nn.Module):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backboard.forward_context import get_forward_context
 from backboard.layers.linear import Linear
 from backboard.ops import dispatch
 from backboard.ops.conv1d import causal_conv1d_varlen
 from backboard.ops.gdn import gdn_chunked_varlen
 from backboard.ops.gdn.decode import gdn_gates
-from backboard.worker.forward_context import get_forward_context
 
 
 class GatedDeltaNet(nn.Module):

@@ -10,32 +10,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from backboard.models.registry import model_class
+from backboard.models.weights import WeightSpec
+
 
 class CheckpointError(ValueError):
     """The checkpoint cannot be loaded; the message names the tensor and what was expected."""
-
-
-@dataclass
-class WeightSpec:
-    """How one model parameter is built: checkpoint tensors (name, expected shape), combined."""
-
-    sources: list[tuple[str, tuple[int, ...]]]
-    combine: Callable[[list[torch.Tensor]], torch.Tensor]
-
-    @staticmethod
-    def cat(sources: list[tuple[str, tuple[int, ...]]]) -> "WeightSpec":
-        """A joined projection: the parts stacked along the output dim, in order."""
-        return WeightSpec(sources, lambda ts: torch.cat(ts, dim=0))
-
-    @staticmethod
-    def same(name: str, shape: tuple[int, ...]) -> "WeightSpec":
-        return WeightSpec([(name, shape)], lambda ts: ts[0])
 
 
 _DROP_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
@@ -156,8 +141,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_model(cfg, device: str = "cpu") -> nn.Module:
     """Build the model class registered for cfg and load its weights from cfg.path."""
-    from backboard.models.registry import model_class
-
     cls = model_class(cfg)
     dtype = torch_dtype(cfg.dtype)
     ckpt = Checkpoint(cfg.path)

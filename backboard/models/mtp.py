@@ -5,7 +5,7 @@ main model's final-normed hidden state), x = decoder_layer(x) at RoPE position i
 own KV cache, h' = norm(x); lm_head(h') predicts t_{i+2}. For k > 1 drafts the layer is reused
 with h' as the next h. The embedding and LM head are the main model's (not parameters here).
 
-The same structure with 4-bit weights is our own draft head (spec/draft_head.py)."""
+The same structure with 4-bit weights is our own draft head (spec_decode/draft_head.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from torch import nn
 from backboard.config import ModelConfig
 from backboard.layers.linear import Linear
 from backboard.layers.norm import RMSNorm
-from backboard.models.loader import Checkpoint, WeightSpec, load_weights
+from backboard.models.loader import Checkpoint, load_weights
 from backboard.models.qwen3_5 import DecoderLayer, layer_weight_specs
+from backboard.models.weights import WeightSpec
 
 
 class MTPHead(nn.Module):

@@ -20,7 +20,7 @@ from backboard.layers.linear import Linear
 from backboard.layers.mlp import MLP, SparseMoE
 from backboard.layers.norm import RMSNorm
 from backboard.layers.rotary import RotaryEmbedding
-from backboard.models.loader import WeightSpec
+from backboard.models.weights import WeightSpec
 
 
 class GatedAttention(nn.Module):

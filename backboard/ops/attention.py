@@ -26,9 +26,9 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: i
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
-def paged_attention_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                            scale: float) -> torch.Tensor:
+def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                               scale: float) -> torch.Tensor:
     """B requests with L query rows each (decode: L = 1; verify: L = 1 + k), queries being the
     last L positions of each request. q: [B, L, nh, D]; seq_lens: [B] total lengths including
     the L new tokens (already written to the cache). Returns [B, L, nh, D]."""
@@ -68,8 +68,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out[0].transpose(0, 1)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        ctx: int = 0) -> torch.Tensor:
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  ctx: int = 0) -> torch.Tensor:
     """Plain causal attention of L queries over S = ctx + L keys, fp32 (test oracle).
     q: [L, nh, D]; k, v: [S, nkv, D]."""
     L, nh, D = q.shape

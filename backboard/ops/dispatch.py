@@ -27,11 +27,9 @@ from typing import Iterator
 import torch
 
 from backboard.ops.activation import silu_mul_ref
-from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.attention import paged_attention_decode_ref
 from backboard.ops.gdn.decode import gdn_decode_ref
-from backboard.ops.norm import fused_add_rms_norm_ref
-from backboard.ops.norm import gated_rms_norm as gated_rms_norm_ref
-from backboard.ops.norm import rms_norm as rms_norm_ref
+from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
 
 MODES = ("auto", "triton", "torch")
@@ -129,15 +127,15 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
-    """See ops.attention.paged_attention_uniform: q [B, L, nh, D] -> [B, L, nh, D]."""
+    """See ops.attention.paged_attention_decode_ref: q [B, L, nh, D] -> [B, L, nh, D]."""
     if use_triton(q):
         return _kernels("attention").paged_attention_decode(q, k_cache, v_cache, block_table,
                                                             seq_lens, max_seq_len, scale)
-    return paged_attention_uniform(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """See ops.norm.rms_norm."""
+    """See ops.norm.rms_norm_ref."""
     fn = _kernels("norm").rms_norm if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, zero_centered)
 
@@ -151,7 +149,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """See ops.norm.gated_rms_norm (x, gate [T, nh, N])."""
+    """See ops.norm.gated_rms_norm_ref (x, gate [T, nh, N])."""
     fn = _kernels("norm").gated_rms_norm if use_triton(x) else gated_rms_norm_ref
     return fn(x, gate, weight, eps, out_dtype)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w)  (zero-centred, Qwen3.5 Norm0) or * w (plain)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -15,8 +15,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return y.to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype) -> torch.Tensor:
     """The GDN output norm: rmsnorm(x) * w * silu(gate), per head over the last dim (plain w).
 
     As in transformers, the normalised x is rounded to the model dtype before the weight."""
@@ -28,7 +28,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = x + residual (in the model dtype, as `h = h + x`); returns (rms_norm(r), r).
+    """r = x + residual (in the model dtype, as `h = h + x`); returns (rms_norm_ref(r), r).
     x, residual: [..., N]; weight: [N]."""
     r = x + residual
-    return rms_norm(r, weight, eps, zero_centered), r
+    return rms_norm_ref(r, weight, eps, zero_centered), r

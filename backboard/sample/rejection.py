@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from backboard.ops.sampling import exponential_race, seeded_noise
-from backboard.sample.sampler import SamplingMetadata, process_logits, target_probs
+from backboard.sample.metadata import SamplingMetadata, SpecDecodeMetadata
+from backboard.sample.sampler import Sampler, process_logits, target_probs
 
 _ACCEPT_STREAM = 1 << 40   # offset of the acceptance stream of seeded rows
 
@@ -42,21 +43,23 @@ def rejection_sample(p: torch.Tensor, draft_ids: torch.Tensor, has_draft: torch.
     return accept, exponential_race(residual, noise)
 
 
-def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, req_of: np.ndarray, plan, sampler,
+def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, spec: SpecDecodeMetadata, sampler: Sampler,
                   draft_probs: torch.Tensor | None = None) -> tuple[dict[int, list[int]], np.ndarray]:
-    """Every logit row of a step (plain requests have one row and no draft). Returns, per request
-    index, the tokens to append (accepted drafts + one) and the accepted draft counts [B]."""
+    """Every logit row of a step (logits [R, V]; plain requests have one row and no draft).
+    Returns, per request index, the tokens to append (accepted drafts + one) and the accepted
+    draft counts [B]."""
     R = logits.shape[0]
-    within = np.arange(R) - plan.logit_start[req_of]
-    k_of = np.array([len(plan.drafts[i]) for i in req_of], dtype=np.int64)
+    req_of = spec.req_of
+    within = np.arange(R) - spec.logit_start[req_of]
+    k_of = np.array([len(spec.drafts[i]) for i in req_of], dtype=np.int64)
     has_draft = within < k_of
-    draft_ids = np.array([plan.drafts[i][j] if j < k_of[n] else -1
+    draft_ids = np.array([spec.drafts[i][j] if j < k_of[n] else -1
                           for n, (i, j) in enumerate(zip(req_of, within))], dtype=np.int64)
     processed = process_logits(logits, md)
     if md.all_greedy:       # accept while the draft is the argmax; emit the argmax where it stops
         token = processed.argmax(-1)
         accept = torch.from_numpy(has_draft).to(token.device) & (token == torch.from_numpy(draft_ids).to(token.device))
-        return _collect(plan, req_of, accept.tolist(), token.tolist())
+        return _collect(spec, accept.tolist(), token.tolist())
     p = target_probs(processed, md)
     noise = sampler.noise(R, p.shape[1], md, p.device)
     u = torch.rand(R, generator=sampler.generator, device=p.device)
@@ -64,21 +67,20 @@ def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, req_of: np.ndarray
         u[row] = torch.exp(-seeded_noise(seed, pos + _ACCEPT_STREAM, 1, p.device)[0])
     accept, token = rejection_sample(p, torch.from_numpy(draft_ids).to(p.device),
                                      torch.from_numpy(has_draft).to(p.device), u, noise, draft_probs)
-    return _collect(plan, req_of, accept.tolist(), token.tolist())
+    return _collect(spec, accept.tolist(), token.tolist())
 
 
-def _collect(plan, req_of: np.ndarray, accept_l: list[bool], token_l: list[int],
+def _collect(spec: SpecDecodeMetadata, accept_l: list[bool], token_l: list[int],
              ) -> tuple[dict[int, list[int]], np.ndarray]:
     """Per request: the leading accepted drafts, then the token of the first row that stops."""
-    B = len(plan.rows)
-    accepted = np.zeros(B, dtype=np.int64)
+    accepted = np.zeros(len(spec.drafts), dtype=np.int64)
     out: dict[int, list[int]] = {}
-    for i in np.unique(req_of):
-        s = int(plan.logit_start[i])
-        k = len(plan.drafts[i])
+    for i in np.unique(spec.req_of):
+        s = int(spec.logit_start[i])
+        k = len(spec.drafts[i])
         a = 0
         while a < k and accept_l[s + a]:
             a += 1
         accepted[i] = a
-        out[int(i)] = list(plan.drafts[i][:a]) + [token_l[s + a]]
+        out[int(i)] = list(spec.drafts[i][:a]) + [token_l[s + a]]
     return out, accepted

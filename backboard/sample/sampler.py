@@ -6,33 +6,13 @@ random rows: temperature, min_p, top_k / top_p, and the exponential race with pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
+from backboard.constants import GREEDY_TEMPERATURE
 from backboard.core.outputs import TokenLogprobs
-from backboard.ops.sampling import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                    exponential_race, seeded_noise)
-
-
-@dataclass
-class SamplingMetadata:
-    """Per logit row (R rows)."""
-
-    temperature: torch.Tensor                       # [R] fp32; < 1e-5 means greedy
-    all_greedy: bool
-    top_k: torch.Tensor | None = None               # [R] int64, 0 = off
-    top_p: torch.Tensor | None = None               # [R] fp32
-    min_p: torch.Tensor | None = None               # [R] fp32
-    # penalties (None when no row uses them)
-    repetition: torch.Tensor | None = None          # [R]
-    presence: torch.Tensor | None = None
-    frequency: torch.Tensor | None = None
-    prompt_mask: torch.Tensor | None = None         # [R, V] bool
-    output_counts: torch.Tensor | None = None       # [R, V] fp32
-    seeds: list[tuple[int, int, int]] | None = None  # (row, seed, position)
-    min_tokens_mask: list[tuple[int, list[int]]] | None = None  # (row, token ids to forbid)
-    num_logprobs: list[int] | None = None           # [R] top-n per row, -1 = none
+from backboard.ops.sampling import apply_min_p, apply_penalties, apply_top_k_top_p, exponential_race, seeded_noise
+from backboard.sample.metadata import SamplingMetadata
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -50,7 +30,7 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The distribution random rows sample from: softmax of the processed, tempered, truncated
     logits. Greedy rows get a one-hot at their argmax. [R, V] fp32."""
-    greedy = md.temperature < 1e-5
+    greedy = md.temperature < GREEDY_TEMPERATURE
     temp = torch.where(greedy, torch.ones_like(md.temperature), md.temperature)
     x = logits / temp[:, None]
     if md.min_p is not None:
@@ -107,3 +87,17 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: lis
         top = list(zip(top_il[j][:n], top_vl[j][:n])) if n > 0 else []
         out[r] = TokenLogprobs(chosen_l[j], chosen_lp_l[j], ranks_l[j], top)
     return out
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: dict[int, list[int]], logit_start: np.ndarray,
+                     num_logprobs: list[int]) -> dict[int, list[TokenLogprobs]]:
+    """Logprobs of each request's new tokens from its logit rows: request i's tokens were chosen
+    at rows logit_start[i].. (logits [R, V]; num_logprobs [R] as in compute_logprobs). Requests
+    that asked for none are left out."""
+    chosen = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for i, toks in tokens.items():
+        s = logit_start[i]
+        chosen[s:s + len(toks)] = torch.tensor(toks)
+    all_lps = compute_logprobs(logits, chosen, num_logprobs)
+    return {i: all_lps[logit_start[i]:logit_start[i] + len(toks)] for i, toks in tokens.items()
+            if all_lps[logit_start[i]] is not None}

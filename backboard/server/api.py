@@ -18,8 +18,14 @@ from pydantic import ValidationError
 from backboard.engine.async_llm import AsyncLLM
 from backboard.server.errors import APIError, bad_request, error_body, install_error_handlers
 from backboard.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from backboard.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeChatRequest, TokenizeCompletionRequest, model_not_found)
+from backboard.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    model_not_found,
+)
 from backboard.server.serving import GenerationHandler
 
 
@@ -34,6 +40,8 @@ class ServerState:
     api_key: str | None = None
     stream_interval: int = 1
     draining: bool = False
+    frontend: bool = False                 # the page at / and its /api/ routes (server/frontend.py)
+    scorecard_dir: str | None = None       # results folders the page's scorecard viewer lists
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -149,6 +157,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
+    if state.frontend:
+        from backboard.server.frontend import install_frontend
+
+        install_frontend(app, state, authorized)
     return app
 
 

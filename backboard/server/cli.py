@@ -37,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engine-address", default=None,
                    help="where the front end binds its sockets to the engine process: ipc://DIR, or "
                         "tcp://HOST:PORT (PORT and PORT+1; 0: any free ports) (default: ipc in a temp dir)")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="no page at / (chat playground, dashboard, scorecards) and no /api/ routes")
+    g.add_argument("--scorecard-dir", default=None,
+                   help="results folders the page's scorecard viewer lists (default: "
+                        "benchmarks/results of a source checkout)")
     add_engine_args(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads in the engine process (default: all cores but one, "
@@ -99,5 +104,6 @@ def run(args: argparse.Namespace) -> int:
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=args.api_key,
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
-                        cpu_threads=args.cpu_threads, engine_address=args.engine_address)
+                        cpu_threads=args.cpu_threads, engine_address=args.engine_address,
+                        disable_frontend=args.disable_frontend, scorecard_dir=args.scorecard_dir)
     return serve(cfg, tokenizer, opts)

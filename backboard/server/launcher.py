@@ -39,6 +39,8 @@ class ServeOptions:
     drain_timeout_s: float = 600.0
     cpu_threads: int | None = None
     engine_address: str | None = None       # see EngineAddresses.parse (None: ipc in a temp dir)
+    disable_frontend: bool = False
+    scorecard_dir: str | None = None
 
 
 class _Server(uvicorn.Server):
@@ -111,7 +113,8 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                       on_finished=metrics.observe_finished, cpu_threads=opts.cpu_threads,
                       addresses=opts.engine_address)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
-                        api_key=opts.api_key, stream_interval=opts.stream_interval)
+                        api_key=opts.api_key, stream_interval=opts.stream_interval,
+                        frontend=not opts.disable_frontend, scorecard_dir=opts.scorecard_dir)
     config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level=opts.log_level,
                             access_log=opts.access_log, timeout_graceful_shutdown=30,
                             timeout_keep_alive=30, lifespan="off")

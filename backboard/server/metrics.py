@@ -7,8 +7,14 @@ which it sends with its step outputs."""
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 (re-exported for the route)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 (re-exported for the route)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from backboard.engine.messages import EngineStats
 from backboard.engine.request_stream import RequestStream

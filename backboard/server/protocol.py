@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from backboard.sampling_params import SamplingParams
 from backboard.server.errors import APIError, bad_request
 
-
 MAX_N = 128                    # completions per request (each is a sequence in the engine)
 
 

@@ -20,9 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backboard.core.outputs import TokenLogprobs
 from backboard.engine.async_llm import AsyncLLM
-from backboard.engine.request_stream import (CompletionDelta, EngineDeadError, RequestDelta, RequestRejected,
-                                             RequestStream)
 from backboard.engine.output_processor import InputError
+from backboard.engine.request_stream import (
+    CompletionDelta,
+    EngineDeadError,
+    RequestDelta,
+    RequestRejected,
+    RequestStream,
+)
 from backboard.engine.tokenizer import TokenizerError
 from backboard.sampling_params import SamplingParams
 from backboard.server import responses as R
@@ -277,7 +282,8 @@ class GenerationHandler:
             choice = self._chunk_choice(call, chunks, d, *due)
             chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
             if call.continuous_usage:
-                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens, call.stream.num_cached_tokens)
+                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens,
+                                         call.stream.num_cached_tokens)
             events.append(R.sse(chunk))
         return events
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backboard.worker.forward_context import ModelCaches
+from backboard.forward_context import ModelCaches
 
 
 def apply_cache_copies(caches: ModelCaches, kv_block_copies: list[tuple[int, int]],

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backboard.worker.attn_metadata import ForwardMeta, UniformGroup
-from backboard.worker.forward_context import ModelCaches, set_forward_context
+from backboard.forward_context import ForwardMeta, ModelCaches, UniformGroup, set_forward_context
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backboard.worker.attn_metadata import ForwardMeta, UniformGroup
+from backboard.forward_context import ForwardMeta, UniformGroup
 
 
 def group_order(q_lens: np.ndarray, is_spec: np.ndarray) -> np.ndarray:
@@ -32,13 +32,13 @@ class StepInputs:
 
 
 def build_step(input_ids: np.ndarray, q_lens: np.ndarray, num_computed: np.ndarray,
-               block_table: np.ndarray, state_slots: np.ndarray, spec_dst: list[np.ndarray | None] | None,
+               block_table: np.ndarray, state_slots: np.ndarray, verify_dst_slots: list[np.ndarray | None] | None,
                block_size: int, device: torch.device | str = "cpu") -> StepInputs:
     """Requests already in group order (see group_order). input_ids [T]; q_lens, num_computed,
-    state_slots [B]; block_table [B, M]; spec_dst[i]: [L_i] verify destination slots or None
-    (spec_dst None: no verify rows)."""
+    state_slots [B]; block_table [B, M]; verify_dst_slots[i]: [L_i] verify destination slots or None
+    (verify_dst_slots None: no verify rows)."""
     B = len(q_lens)
-    if spec_dst is None and B and q_lens.max() == 1:        # plain decode: the common step
+    if verify_dst_slots is None and B and q_lens.max() == 1:        # plain decode: the common step
         qsl = np.arange(B + 1, dtype=np.int64)
         positions = num_computed.astype(np.int64, copy=False)
         req_of_tok = np.arange(B)
@@ -49,7 +49,7 @@ def build_step(input_ids: np.ndarray, q_lens: np.ndarray, num_computed: np.ndarr
         np.cumsum(q_lens, out=qsl[1:])
         req_of_tok = np.repeat(np.arange(B), q_lens)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[:-1][req_of_tok] + num_computed[req_of_tok]
-        groups_spec, prefill_start = _uniform_groups(q_lens, qsl, spec_dst)
+        groups_spec, prefill_start = _uniform_groups(q_lens, qsl, verify_dst_slots)
     T = int(qsl[-1])
     seq_lens = num_computed + q_lens
     slot_mapping = (block_table[req_of_tok, positions // block_size].astype(np.int64) * block_size
@@ -69,19 +69,19 @@ def build_step(input_ids: np.ndarray, q_lens: np.ndarray, num_computed: np.ndarr
     return StepInputs(i64[:T], meta, qsl, positions)
 
 
-def _uniform_groups(q_lens: np.ndarray, qsl: np.ndarray, spec_dst: list[np.ndarray | None] | None):
+def _uniform_groups(q_lens: np.ndarray, qsl: np.ndarray, verify_dst_slots: list[np.ndarray | None] | None):
     """Runs of equal (kind, rows) before the first prefill: [(req_start, req_end, L, tok_start,
     dst [n, L] or None)], and the first prefill request."""
     B = len(q_lens)
-    is_spec = (np.fromiter((d is not None for d in spec_dst), dtype=bool, count=B)
-               if spec_dst is not None else np.zeros(B, dtype=bool))
+    is_spec = (np.fromiter((d is not None for d in verify_dst_slots), dtype=bool, count=B)
+               if verify_dst_slots is not None else np.zeros(B, dtype=bool))
     kind = np.where(is_spec, 1, np.where(q_lens == 1, 0, 2))
     prefill_start = int(np.searchsorted(kind, 2))            # kinds are sorted (group_order)
     if prefill_start == 0:
         return [], 0
     key = (kind * (int(q_lens.max()) + 1) + q_lens)[:prefill_start]
     bounds = [0] + (np.flatnonzero(np.diff(key)) + 1).tolist() + [prefill_start]
-    return [(i, j, int(q_lens[i]), int(qsl[i]), np.stack(spec_dst[i:j]) if is_spec[i] else None)
+    return [(i, j, int(q_lens[i]), int(qsl[i]), np.stack(verify_dst_slots[i:j]) if is_spec[i] else None)
             for i, j in zip(bounds[:-1], bounds[1:])], prefill_start
 
 
@@ -137,6 +137,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_reqs, max_model_len + 16), dtype=np.int64)
         self.num_tokens = np.zeros(max_reqs, dtype=np.int64)      # known tokens (no drafts)
         self.num_prompt = np.zeros(max_reqs, dtype=np.int64)
+        # first position whose prompt logprob is still owed (earlier ones were emitted before a
+        # preemption): positions p >= it emit the logprob of prompt token p + 1
+        self.prompt_logprobs_from = np.zeros(max_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
         self.state_slots = np.zeros((max_reqs, slots_per_req), dtype=np.int64)
@@ -145,7 +148,7 @@ class InputBatch:
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt: int, block_ids: list[int],
-            state_slots: list[int]) -> int:
+            state_slots: list[int], prompt_logprobs_from: int = 0) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"{req_id} is already in the batch")
         if not self._free_rows:
@@ -155,6 +158,7 @@ class InputBatch:
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row], self.num_prompt[row] = n, num_prompt
+        self.prompt_logprobs_from[row] = prompt_logprobs_from
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
         if state_slots:

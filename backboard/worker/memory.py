@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 from backboard.config import ModelConfig
+from backboard.constants import spec_token_margin
 from backboard.core.prefix_cache import PrefixCacheSettings
-from backboard.worker.forward_context import ModelCaches
+from backboard.forward_context import ModelCaches
 
 GiB = 1 << 30
 
@@ -73,7 +74,7 @@ def profile_activation_bytes(model: torch.nn.Module, cfg, dtype: torch.dtype, de
     """The profiling pass (CUDA): peak memory of one forward of max_num_batched_tokens dummy tokens
     (as prefills of at most max_model_len tokens) plus the LM head over the largest row count,
     above what is allocated before it, not counting the scratch caches it needs."""
-    from backboard.worker.forward_context import set_forward_context
+    from backboard.forward_context import set_forward_context
     from backboard.worker.input_batch import BatchRequest, prepare_batch
 
     mc, sc, bs = cfg.model, cfg.scheduler, cfg.cache.block_size
@@ -114,7 +115,7 @@ def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers:
     bs = cc.block_size
     slots = (cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)) + num_checkpoint_slots_for(cfg)
     per_block = max(1, kv_bytes_per_block(mc, bs, dtype, len(mc.attn_layer_ids) + extra_attn_layers))
-    blocks_per_seq = -(-(sc.max_model_len + 2 * cfg.num_spec_tokens + 1) // bs)
+    blocks_per_seq = -(-(sc.max_model_len + spec_token_margin(cfg.num_spec_tokens)) // bs)
     useful = sc.max_num_seqs * blocks_per_seq + 1
     if cc.num_kv_blocks is not None:
         blocks = cc.num_kv_blocks

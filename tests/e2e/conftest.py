@@ -145,3 +145,10 @@ def server_factory(server_model, tmp_path):
     yield make
     for s in started:
         s.stop(signal.SIGKILL, timeout=10)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    from tests.e2e.browser import ARTIFACTS, WRITTEN
+
+    if WRITTEN:
+        terminalreporter.write_line(f"browser screenshots ({len(WRITTEN)}): {ARTIFACTS}")

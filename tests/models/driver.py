@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from backboard.config import ModelConfig
+from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
-from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import BatchRequest, prepare_batch
 from backboard.worker.memory import allocate_caches
 

@@ -53,7 +53,7 @@ def models(tiny_models, hybrid_model):
 
 @pytest.fixture(scope="module")
 def draft_head(hybrid_model, tmp_path_factory):
-    from backboard.spec.train import quantize_mtp_head
+    from backboard.spec_decode.train import quantize_mtp_head
 
     out = str(tmp_path_factory.mktemp("draft-head"))
     quantize_mtp_head(hybrid_model, out, 64)

@@ -32,7 +32,7 @@ class Run:
         """work: [(request id, tokens this step, verify rows L or 0)]."""
         import torch
 
-        from backboard.worker.forward_context import set_forward_context
+        from backboard.forward_context import set_forward_context
         from backboard.worker.input_batch import BatchRequest, prepare_batch
         d, batch = self.d, []
         for rid, n, L in work:

@@ -1,11 +1,11 @@
-"""Paged decode attention (Triton, split-K + reduce) against ops.attention.paged_attention_uniform."""
+"""Paged decode attention (Triton, split-K + reduce) against ops.attention.paged_attention_decode_ref."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backboard.ops.attention import paged_attention_uniform
+from backboard.ops.attention import paged_attention_decode_ref
 from backboard.ops.triton import attention as ta
 
 
@@ -36,7 +36,7 @@ CASES = [
 def test_paged_attention_decode_matches_reference(case, dtype, close):
     B, L, nh, nkv, D, bs, seq_lens, splits = case
     q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, bs, seq_lens, dtype)
-    ref = paged_attention_uniform(q, kc, vc, bt, seq, max_len, D ** -0.5)
+    ref = paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, D ** -0.5)
     out = ta.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, num_splits=splits)
     assert out.shape == q.shape and out.dtype == dtype
     close(out, ref, dtype)
@@ -49,7 +49,7 @@ def test_int64_block_table_and_strided_query(close):
     qbig[..., :16] = q
     qv = qbig[..., :16]
     out = ta.paged_attention_decode(qv, kc, vc, bt.long(), seq.long(), max_len, 0.25, num_splits=2)
-    close(out, paged_attention_uniform(q, kc, vc, bt, seq, max_len, 0.25))
+    close(out, paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, 0.25))
 
 
 def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
@@ -57,7 +57,7 @@ def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
     q, kc, vc, bt, seq, max_len = make_inputs(B, L, nh, nkv, D, 4, [9, 14], torch.float32)
     out = ta.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, num_splits=2)
     # every row seeing the whole sequence (no per-row causal limit)
-    no_causal = torch.cat([paged_attention_uniform(q[:, t:t + 1], kc, vc, bt, seq, max_len, D ** -0.5)
+    no_causal = torch.cat([paged_attention_decode_ref(q[:, t:t + 1], kc, vc, bt, seq, max_len, D ** -0.5)
                            for t in range(L)], dim=1)
     differs(out, no_causal)
     # query head h reading KV head h % nkv instead of h // r: permute heads around the reference
@@ -65,7 +65,7 @@ def test_comparison_catches_wrong_causal_limit_and_gqa(differs):
     pi = torch.tensor([(h % nkv) * r + h // nkv for h in range(nh)])
     qp = torch.empty_like(q)
     qp[:, :, pi] = q
-    wrong = paged_attention_uniform(qp, kc, vc, bt, seq, max_len, D ** -0.5)[:, :, pi]
+    wrong = paged_attention_decode_ref(qp, kc, vc, bt, seq, max_len, D ** -0.5)[:, :, pi]
     differs(out, wrong)
 
 
@@ -99,10 +99,10 @@ def test_splits_follow_each_requests_length(dtype, close, monkeypatch):
     monkeypatch.setattr(ta, "_launch_reduce", spy)
     monkeypatch.setattr(torch, "empty", poisoned)
     out = ta.paged_attention_decode(q, kc, vc, bt, seq, max_len, D ** -0.5, num_splits=S)
-    close(out, paged_attention_uniform(q, kc, vc, bt, seq, max_len, D ** -0.5), dtype)
+    close(out, paged_attention_decode_ref(q, kc, vc, bt, seq, max_len, D ** -0.5), dtype)
     bn = seen["block_n"]
     for b, n in enumerate(seq_lens):
-        per_split = -(-(-(-n // S)) // bn) * bn
+        per_split = -(-(-(-n // S)) // bn) * bn  # noqa: B002 - ceil(ceil(n / S) / bn) * bn
         worked = torch.isfinite(seen["pm"][b, -1, 0]).sum().item()    # the last row sees every key
         assert torch.isnan(seen["pm"][b, -1, 0, worked:]).all()          # the rest: not written
         assert worked == -(-n // per_split) > 1, (b, worked)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from backboard.ops.conv1d import causal_conv1d_update
 from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.gdn.recurrent import gdn_recurrent
-from backboard.ops.norm import gated_rms_norm
+from backboard.ops.norm import gated_rms_norm_ref
 from backboard.ops.triton import gdn_decode as gk
 
 NUM_SLOTS = 16
@@ -113,7 +113,7 @@ def _wrong_gqa_ref(proj, w, conv, A_log, dt_bias, nw, ssm, src, dst, init, *, nu
     k = k.reshape(B, L, nk, dk).repeat(1, 1, nv // nk, 1)
     core = gdn_recurrent(q, k, v.reshape(B, L, nv, dv), g.view(B, L, nv),
                          b.float().sigmoid().view(B, L, nv), ssm, src, dst, init)
-    return gated_rms_norm(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv), nw, eps,
+    return gated_rms_norm_ref(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv), nw, eps,
                           proj.dtype).reshape(T, nv * dv)
 
 

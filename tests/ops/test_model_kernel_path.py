@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from backboard.forward_context import set_forward_context
 from backboard.ops import dispatch
-from tests.models.driver import FlatBatchDriver
-from backboard.worker.forward_context import set_forward_context
 from backboard.worker.input_batch import BatchRequest, prepare_batch
+from tests.models.driver import FlatBatchDriver
 
 
 def _mixed_step(d: FlatBatchDriver, mode: str):

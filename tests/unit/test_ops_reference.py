@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backboard.ops.attention import attention_reference, paged_attention_prefill, paged_attention_uniform, write_kv
+from backboard.ops.attention import attention_ref, paged_attention_decode_ref, paged_attention_prefill, write_kv
 from backboard.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from backboard.ops.gdn import gdn_chunked_varlen, gdn_recurrent, gdn_reference
+from backboard.ops.gdn import gdn_chunked_varlen, gdn_recurrent, gdn_ref
 
 
 def _gdn_inputs(T, nk=2, nv=4, dk=16, dv=24, seed=0):
@@ -35,7 +35,7 @@ def test_chunked_matches_reference(lens):
     o = gdn_chunked_varlen(q, k, v, g, beta, state, cu, slots, init)
     for i in range(len(lens)):
         s, e = cu[i], cu[i + 1]
-        ro, rs = gdn_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+        ro, rs = gdn_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
                                before[slots[i]] if init[i] else None)
         assert torch.allclose(o[s:e], ro, atol=1e-4, rtol=1e-4)
         assert torch.allclose(state[slots[i]], rs, atol=1e-4, rtol=1e-4)
@@ -54,11 +54,11 @@ def test_recurrent_per_position_states_equal_running_the_prefix():
     o = gdn_recurrent(view(q), view(k), view(v), view(g), view(beta), state, src, dst)
     for b in range(B):
         sl = slice(b * L, (b + 1) * L)
-        ro, _ = gdn_reference(q[sl], k[sl], v[sl], g[sl], beta[sl], before[src[b]])
+        ro, _ = gdn_ref(q[sl], k[sl], v[sl], g[sl], beta[sl], before[src[b]])
         assert torch.allclose(o[b], ro, atol=1e-5)
         for j in range(L):
             sj = slice(b * L, b * L + j + 1)
-            _, rs = gdn_reference(q[sj], k[sj], v[sj], g[sj], beta[sj], before[src[b]])
+            _, rs = gdn_ref(q[sj], k[sj], v[sj], g[sj], beta[sj], before[src[b]])
             assert torch.allclose(state[dst[b, j]], rs, atol=1e-5)
 
 
@@ -97,8 +97,8 @@ def test_paged_attention_matches_dense():
     slots = torch.tensor([int(blocks[p // bs]) * bs + p % bs for p in range(S)])
     write_kv(k, v, k_cache, v_cache, slots)
     q = torch.randn(S, nh, D, generator=g)
-    want = attention_reference(q, k, v, D ** -0.5)
+    want = attention_ref(q, k, v, D ** -0.5)
     got = paged_attention_prefill(q[5:], k_cache, v_cache, blocks, S, D ** -0.5)
     assert torch.allclose(got, want[5:], atol=1e-5)
-    got_u = paged_attention_uniform(q[8:][None], k_cache, v_cache, blocks[None], torch.tensor([S]), S, D ** -0.5)
+    got_u = paged_attention_decode_ref(q[8:][None], k_cache, v_cache, blocks[None], torch.tensor([S]), S, D ** -0.5)
     assert torch.allclose(got_u[0], want[8:], atol=1e-5)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backboard.ops.sampling import apply_penalties, apply_top_k_top_p
-from backboard.sample.sampler import Sampler, SamplingMetadata
+from backboard.sample.metadata import SamplingMetadata
+from backboard.sample.sampler import Sampler
 from backboard.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])

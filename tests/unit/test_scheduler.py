@@ -30,7 +30,7 @@ def req(rid, n_prompt, max_tokens=4, priority=0, arrival=None):
 def fake_run(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:
     """A runner that samples `token` for every request whose step reaches its last token."""
     ids, sampled = [], []
-    for rid, n in so.num_scheduled_tokens.items():
+    for rid in so.num_scheduled_tokens:
         r = sched.requests[rid]
         ids.append(rid)
         # num_computed was advanced by schedule(): the step reached the end iff it now covers

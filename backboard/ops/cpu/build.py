@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -53,6 +54,16 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
 
 
 def supported_isas() -> list[str]:

@@ -2,6 +2,6 @@
 
 from backboard.ops.gdn.chunk import gdn_chunked_varlen
 from backboard.ops.gdn.recurrent import gdn_recurrent
-from backboard.ops.gdn.reference import gdn_reference, l2norm
+from backboard.ops.gdn.reference import gdn_ref, l2norm
 
-__all__ = ["gdn_chunked_varlen", "gdn_recurrent", "gdn_reference", "l2norm"]
+__all__ = ["gdn_chunked_varlen", "gdn_recurrent", "gdn_ref", "l2norm"]

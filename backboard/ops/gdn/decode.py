@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from backboard.ops.conv1d import causal_conv1d_update
 from backboard.ops.gdn.recurrent import gdn_recurrent
-from backboard.ops.norm import gated_rms_norm
+from backboard.ops.norm import gated_rms_norm_ref
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -43,6 +43,6 @@ def gdn_decode_ref(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: to
     core = gdn_recurrent(q.reshape(B, L, nk, dk), k.reshape(B, L, nk, dk), v.reshape(B, L, nv, dv),
                          g.view(B, L, nv), beta.view(B, L, nv), ssm_state, src_slots, dst_slots,
                          has_initial_state)                                       # [B, L, nv, dv]
-    o = gated_rms_norm(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv),
+    o = gated_rms_norm_ref(core.to(proj.dtype).reshape(T, nv, dv), z.reshape(T, nv, dv),
                            norm_weight, eps, proj.dtype)
     return o.reshape(T, nv * dv)

@@ -29,9 +29,9 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     return q, k
 
 
-def gdn_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, initial_state: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence.
 
     q, k: [T, nk, dk]; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [nv, dk, dv] or None.

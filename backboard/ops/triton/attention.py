@@ -26,8 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          interpreter_dot_f32, next_pow2, num_sms)
+from backboard.ops.triton._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    interpreter_dot_f32,
+    next_pow2,
+    num_sms,
+)
 
 # runtime ints that change from step to step are not specialised (Triton would compile again
 # when one becomes 1 or a multiple of 16), nor is the alignment of the per-step index tensors
@@ -185,7 +192,7 @@ def decode_tiles(L: int, r: int, D: int, dtype: torch.dtype) -> tuple[int, int, 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Same contract as ops.attention.paged_attention_uniform.
+    """Same contract as ops.attention.paged_attention_decode_ref.
 
     q: [B, L, nh, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, nkv, D]
     (same strides, last dim contiguous); block_table: [B, >= cdiv(max_seq_len, block_size)]

@@ -24,7 +24,7 @@ destination may equal the source (plain decode: dst_slots = src_slots). Differen
 not share slots (one request's destination being another's source would race).
 
 Rounding follows the torch composition (backboard.ops.gdn.decode.gdn_decode_ref): conv output and
-core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm.
+core output are rounded to the model dtype, the norm as ops.norm.gated_rms_norm_ref.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          next_pow2)
+from backboard.ops.triton._checks import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, next_pow2
 from backboard.ops.triton.norm import gated_rms_norm
-
 
 # the rows per request change with the number of drafts, and the slot tensors are slices of the
 # step's arrays at any offset: neither is specialised (no recompiles while serving)
@@ -220,7 +218,7 @@ def _gdn_decode_recurrent_kernel(
         o = o.to(out_ptr.dtype.element_ty)                     # the core, rounded as the layer does
         if FUSE_NORM:
             # gated norm over the whole head (BV >= DV): rmsnorm(o) * w * silu(z), with the
-            # model-dtype roundings of ops.norm.gated_rms_norm
+            # model-dtype roundings of ops.norm.gated_rms_norm_ref
             of = o.to(tl.float32)
             var = tl.sum(of * of, axis=0) / DV
             y = (of * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -120,7 +120,7 @@ def _gated_rms_norm_kernel(
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """The GDN output norm, as ops.norm.gated_rms_norm: rmsnorm(x) * w * silu(gate) per head.
+    """The GDN output norm, as ops.norm.gated_rms_norm_ref: rmsnorm(x) * w * silu(gate) per head.
     x, gate: [T, nh, N] (any float dtypes, last dim contiguous; e.g. gate a view of the joined
     projection); weight: [N] (dtype out_dtype). Returns [T, nh, N] in out_dtype (contiguous)."""
     op = "gated_rms_norm"

@@ -20,8 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, check_devices, check_tensor,
-                                          interpreter_dot_f32, next_pow2, num_sms)
+from backboard.ops.triton._checks import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_tensor,
+    interpreter_dot_f32,
+    next_pow2,
+    num_sms,
+)
 
 _VARYING = dict(do_not_specialize=["M", "k_per_split"])
 

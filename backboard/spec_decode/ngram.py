@@ -4,9 +4,11 @@ sequence's last n tokens (longest n first). Needs no model."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from backboard.config import EngineConfig
-from backboard.spec.proposer import Proposer
+from backboard.spec_decode.proposer import Proposer
+from backboard.worker.step import StepPlan
 
 
 def ngram_lookup(seq: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -29,8 +31,8 @@ class NgramProposer(Proposer):
         super().__init__(cfg)
         self.n_min, self.n_max = cfg.spec.ngram_min, cfg.spec.ngram_max
 
-    def draft(self, plan, hidden, k: int, who: np.ndarray) -> list[list[int]]:
-        b = self.runner.batch
+    def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
+        b = self.ctx.batch
         out = []
         for i in who:
             row = plan.rows[i]

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from backboard.config import ModelConfig
 from backboard.engine.tokenizer import Tokenizer
+from backboard.forward_context import set_forward_context
 from backboard.models.loader import Checkpoint, load_model, load_weights
 from backboard.models.mtp import MTPHead
-from backboard.spec.draft_head import quantize_head, save_draft_head
-from backboard.worker.forward_context import set_forward_context
+from backboard.spec_decode.draft_head import quantize_head, save_draft_head
 from backboard.worker.input_batch import BatchRequest, prepare_batch
 from backboard.worker.memory import allocate_caches
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backboard import LLM, SamplingParams
-from backboard.spec.proposer import Proposer
+from backboard.spec_decode.proposer import Proposer
 from tests.models.test_engine import _requests, _run_staggered
 
 
@@ -21,7 +21,7 @@ class OracleProposer(Proposer):
         self.expected, self.rng = expected, np.random.default_rng(seed)
 
     def draft(self, plan, hidden, k, who):
-        b = self.runner.batch
+        b = self.ctx.batch
         out = []
         for i in who:
             row = plan.rows[i]
@@ -44,8 +44,7 @@ def _llm_with_oracle(path, prompts, outs, k, **kw):
     llm = LLM(path, max_num_seqs=16, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False}, **kw)
     oracle = OracleProposer(llm.config, {tuple(p): o for p, o in zip(prompts, outs)})
-    oracle.attach(llm.engine.runner)
-    llm.engine.runner.proposer = oracle
+    llm.engine.runner.use_proposer(oracle)
     return llm
 
 
@@ -101,9 +100,9 @@ def test_seeded_sampling_with_speculation_depends_only_on_the_seeds(hybrid_model
 def test_gdn_state_after_accepting_j_of_k(hybrid_model):
     """Verification writes the state after each draft position into its own slot: the slot of
     position j holds exactly the state of running the accepted tokens alone."""
-    from tests.models.driver import FlatBatchDriver
-    from backboard.worker.forward_context import set_forward_context
+    from backboard.forward_context import set_forward_context
     from backboard.worker.input_batch import BatchRequest, prepare_batch
+    from tests.models.driver import FlatBatchDriver
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 1000, 37).tolist()

@@ -24,7 +24,7 @@ def soft_model(tiny_models):
 
 @pytest.fixture(scope="module")
 def trained(soft_model, tmp_path_factory):
-    from backboard.spec.train import self_generated_text, train_draft_head
+    from backboard.spec_decode.train import self_generated_text, train_draft_head
 
     out = str(tmp_path_factory.mktemp("draft"))
     text = self_generated_text(soft_model, 24, 96, seed=0)
@@ -60,7 +60,7 @@ def test_trained_head_accepts_and_int4_keeps_it(trained, soft_model):
 
 def test_untrained_head_accepts_less(trained, soft_model, tmp_path):
     """The acceptance comes from training: a random-init head, quantized the same way, is worse."""
-    from backboard.spec.train import train_draft_head
+    from backboard.spec_decode.train import train_draft_head
 
     text = " ".join(["alpha beta gamma"] * 400)
     train_draft_head(soft_model, text, str(tmp_path), steps=0, seq_len=64, batch_size=2,

@@ -1,13 +1,36 @@
-"""What every proposer shares: choosing k (adaptive), who gets drafts, caps, and statistics."""
+"""What every proposer shares: the context it works in, choosing k (adaptive), who gets drafts,
+caps, and statistics."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import torch
 
 from backboard.config import EngineConfig
-from backboard.spec.adaptive import AdaptiveK
+from backboard.forward_context import ModelCaches
+from backboard.spec_decode.adaptive import AdaptiveK
+from backboard.worker.input_batch import InputBatch
+from backboard.worker.step import SampleResult, StepPlan
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may use of the runner (the runner builds it once; the proposer reads the
+    batch state and never writes it)."""
+
+    batch: InputBatch                                       # token ids, block tables, lengths by row
+    max_tokens: np.ndarray                                  # [max_reqs] each row's max_tokens
+    caches: ModelCaches                                     # shared; the head writes its own layers
+    embed: Callable[[torch.Tensor], torch.Tensor]           # token ids [T] -> [T, H]
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]  # hidden [R, H] -> fp32 logits [R, V]
+    lm_head_weight: torch.Tensor                            # [V, H]
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype                                      # the target's
 
 
 class Proposer:
@@ -17,27 +40,30 @@ class Proposer:
         self.cfg = cfg
         self.k_max = cfg.spec.num_speculative_tokens
         self.adaptive = AdaptiveK(self.k_max, enabled=cfg.spec.adaptive)
-        self.runner = None
+        self.ctx: ProposerContext | None = None
         self.last_k = self.k_max
 
-    def attach(self, runner) -> None:
-        self.runner = runner
+    def bind(self, ctx: ProposerContext) -> None:
+        """Called once by the runner, after its caches exist."""
+        self.ctx = ctx
 
     # subclasses ---------------------------------------------------------------------------
-    def catch_up(self, plan, hidden) -> None:
-        """Keep the proposer's own caches in step with the target's (every step, any k)."""
+    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Keep the proposer's own caches in step with the target's (every step, any k).
+        hidden [T, H]: the target's final hidden states of this step's flat batch."""
 
-    def draft(self, plan, hidden, k: int, who: np.ndarray) -> list[list[int]]:
+    def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         """Up to k drafts for each request index in `who` (batch order)."""
         raise NotImplementedError
 
     # the step ------------------------------------------------------------------------------
-    def propose(self, plan, hidden, sampled: list[list[int]], accepted: np.ndarray, k_max: int,
+    def propose(self, plan: StepPlan, hidden: torch.Tensor, result: SampleResult, k_max: int,
                 verify_s: float) -> list[list[int]]:
-        self._observe(plan, accepted, verify_s)
+        """[B] drafts for the next step (up to k_max each; [] for none)."""
+        self._observe(plan, result.num_accepted, verify_s)
         B = len(plan.rows)
         out: list[list[int]] = [[] for _ in range(B)]
-        who = np.array([i for i in range(B) if sampled[i]], dtype=np.int64)
+        who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
         self.last_k = k
         if k == 0:
@@ -54,17 +80,17 @@ class Proposer:
         self.adaptive.observe_draft(len(who), t1 - t0, (time.perf_counter() - t1) / k)
         return out
 
-    def _room(self, plan, who: np.ndarray) -> np.ndarray:
+    def _room(self, plan: StepPlan, who: np.ndarray) -> np.ndarray:
         """Drafts each request can still use: the context and max_tokens leave room for the
         drafts plus the bonus token."""
-        b, a = self.runner.batch, self.runner.params.a
+        b = self.ctx.batch
         rows = plan.rows[who]
         n = b.num_tokens[rows]
         ctx_room = self.cfg.scheduler.max_model_len - n - 1
-        out_room = a["max_tokens"][rows] - (n - b.num_prompt[rows]) - 1
+        out_room = self.ctx.max_tokens[rows] - (n - b.num_prompt[rows]) - 1
         return np.minimum(np.minimum(ctx_room, out_room), self.k_max).astype(np.int64)
 
-    def _observe(self, plan, accepted: np.ndarray, verify_s: float) -> None:
+    def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float) -> None:
         lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
         if lens.any():
             self.adaptive.observe_acceptance(

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
-from backboard.spec.proposer import Proposer
-from backboard.worker.forward_context import set_forward_context
+from backboard.forward_context import set_forward_context
+from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
+from backboard.worker.step import StepPlan
 
 
 class MTPProposer(Proposer):
@@ -29,40 +30,39 @@ class MTPProposer(Proposer):
         self.head = None
         self.lm_head = None
 
-    def attach(self, runner) -> None:
-        super().attach(runner)
+    def bind(self, ctx: ProposerContext) -> None:
+        super().bind(ctx)
         mc = self.cfg.model
         attn_idx = len(mc.attn_layer_ids)
-        dev = str(runner.device)
+        dev = str(ctx.device)
         if self.cfg.spec.method == "mtp":
             from backboard.models.mtp import load_mtp_head
 
-            self.head = load_mtp_head(mc, runner.dtype, attn_idx, dev)
-            self.lm_head = runner.model.compute_logits
+            self.head = load_mtp_head(mc, ctx.dtype, attn_idx, dev)
+            self.lm_head = ctx.compute_logits
         else:
-            from backboard.spec.draft_head import load_draft_head
+            from backboard.spec_decode.draft_head import load_draft_head
 
-            self.head, lm = load_draft_head(self.cfg.spec.draft_model, mc, runner.model, attn_idx, dev,
-                                            int8_lm_head=self.cfg.spec.int8_lm_head)
-            self.lm_head = lm
-        self.embed = runner.model.embed_tokens
+            self.head, self.lm_head = load_draft_head(
+                self.cfg.spec.draft_model, mc, ctx.dtype, ctx.lm_head_weight, ctx.compute_logits, attn_idx, dev,
+                int8_lm_head=self.cfg.spec.int8_lm_head)
 
     # ---------------------------------------------------------------------------------------
     def _forward(self, ids: np.ndarray, hidden: torch.Tensor, q_lens: np.ndarray, num_computed: np.ndarray,
                  rows: np.ndarray) -> torch.Tensor:
         """The head over a flat batch: ids [T], hidden [T, H]; requests (input-batch rows) with
         q_lens rows each starting at num_computed. Returns the head's hidden [T, H]."""
-        r = self.runner
-        b = r.batch
+        ctx = self.ctx
+        b = ctx.batch
         block_table = b.block_table[rows, :int(b.num_blocks[rows].max())]
         step = build_step(ids, q_lens, num_computed, block_table, np.zeros(len(rows), dtype=np.int64),
-                          None, r.block_size, r.device)
-        with set_forward_context(step.meta, r.caches):
-            return self.head(self.embed(step.input_ids), hidden.to(r.dtype), step.meta.positions)
+                          None, ctx.block_size, ctx.device)
+        with set_forward_context(step.meta, ctx.caches):
+            return self.head(ctx.embed(step.input_ids), hidden.to(ctx.dtype), step.meta.positions)
 
     @torch.inference_mode()
-    def catch_up(self, plan, hidden: torch.Tensor) -> None:
-        b = self.runner.batch
+    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        b = self.ctx.batch
         n_after = b.num_tokens[plan.rows]
         v = np.minimum(plan.q_lens, n_after - 1 - plan.num_computed)     # rows with a known next token
         qsl = plan.inputs.query_start_loc
@@ -89,7 +89,7 @@ class MTPProposer(Proposer):
         self._last_pos = plan.num_computed + v - 1                      # [B] position of that row
 
     @torch.inference_mode()
-    def draft(self, plan, hidden, k: int, who: np.ndarray) -> list[list[int]]:
+    def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         h = self._last_hidden[torch.from_numpy(who).to(self._last_hidden.device)]
         pos = self._last_pos[who]
         rows = plan.rows[who]

@@ -1,13 +1,20 @@
-"""Per-step batch metadata shared by every layer of one forward.
+"""The contract between the model runner and the layers: the per-step batch metadata (ForwardMeta)
+and the caches (ModelCaches), set once per forward as a scoped context that every layer reads.
 
-Requests in the flat batch are ordered [uniform groups (decodes, then verify groups) | prefills]:
-a uniform group is a contiguous run of requests with the same number L of query rows, each of them
-the last L positions of its sequence (decode: L = 1; speculative verification: L = 1 + k). Prefills
-are everything else: whole prompts or prompt chunks resumed from the cache."""
+It sits below both layers/ (which read it) and worker/ (which builds it), as vLLM's
+forward_context does; it imports nothing of the engine.
+
+The metadata contract: requests in the flat batch are ordered [uniform groups (decodes, then verify
+groups) | prefills]. A uniform group is a contiguous run of requests with the same number L of
+query rows, each of them the last L positions of its sequence (decode: L = 1; speculative
+verification: L = 1 + k). Prefills are everything else: whole prompts or prompt chunks resumed from
+the cache. Every kernel and CUDA graph keys on this order."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -63,3 +70,41 @@ class ForwardMeta:
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.prefill_start
+
+
+@dataclass
+class ModelCaches:
+    """KV caches of the attention layers (by attention-layer ordinal) and the GDN states (by GDN
+    layer ordinal): conv [n_gdn, slots, K-1, C] (model dtype), ssm [n_gdn, slots, nv, dk, dv] fp32."""
+
+    k: list[torch.Tensor]                   # each [num_blocks, block_size, nkv, D]
+    v: list[torch.Tensor]
+    conv: torch.Tensor | None = None
+    ssm: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    meta: ForwardMeta
+    caches: ModelCaches
+
+
+_CURRENT: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(meta: ForwardMeta, caches: ModelCaches) -> Iterator[ForwardContext]:
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("forward contexts do not nest")
+    _CURRENT = ForwardContext(meta, caches)
+    try:
+        yield _CURRENT
+    finally:
+        _CURRENT = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CURRENT is None:
+        raise RuntimeError("no forward context: call the model inside set_forward_context()")
+    return _CURRENT

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import torch
 from torch import nn
@@ -96,13 +97,15 @@ def read_draft_config(path: str, mc: ModelConfig) -> dict:
     return meta
 
 
-def load_draft_head(path: str, mc: ModelConfig, target: nn.Module, attn_idx: int, device: str,
+def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weight: torch.Tensor,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
                     int8_lm_head: bool = True):
-    """-> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V])."""
+    """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
+    one quantized from the target's (lm_head_weight [V, H]), or the target's own compute_logits
+    without int8_lm_head. -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V])."""
     from safetensors.torch import load_file
 
     meta = read_draft_config(path, mc)
-    dtype = next(target.parameters()).dtype
     with torch.device(device):
         head = MTPHead(mc, dtype, attn_idx)
     groups = meta["group_sizes"]
@@ -122,7 +125,7 @@ def load_draft_head(path: str, mc: ModelConfig, target: nn.Module, attn_idx: int
         if lm_sd:
             lm.qweight, lm.scales = lm_sd["qweight"], lm_sd["scales"]
         else:
-            lm = Int8Linear.from_weight(target.lm_head.weight)
+            lm = Int8Linear.from_weight(lm_head_weight)
         lm = lm.to(device)
         return head, lm
-    return head, target.compute_logits
+    return head, compute_logits

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from backboard.spec.train import self_generated_text, train_draft_head
+    from backboard.spec_decode.train import self_generated_text, train_draft_head
 
     if not args.data and not args.self_generate:
         print("error: give --data TEXT_FILE and/or --self-generate N", file=sys.stderr)
@@ -61,7 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from backboard.spec.train import quantize_mtp_head
+    from backboard.spec_decode.train import quantize_mtp_head
 
     try:
         info = quantize_mtp_head(args.model, args.out, args.group_size)
