@@ -5,6 +5,8 @@ proposer, chunked prefill, preemption and checkpoint eviction; and the cache is 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -28,20 +30,22 @@ def _phases(out_a: list[int]) -> list[dict[str, list[int]]]:
     p = _prompts()
     return [{"A": p["A"]},
             {"B": p["B"], "turn2": p["A"] + out_a + p["new"], "filler": p["filler"]},
-            {"C": p["C"], "A again": p["A"]}]
+            {"C": p["C"], "A again": p["A"], "A prompt logprobs": p["A"]}]
 
 
-def _run(llm: LLM, phases) -> dict[str, tuple[list[int], list[float], int]]:
-    """Each phase's prompts together; -> name: (token ids, chosen-token logprobs, cached tokens).
-    The filler decodes long enough to push a tight KV cache into preemption."""
+def _run(llm: LLM, phases) -> dict[str, tuple[list[int], list[float], int, list[float]]]:
+    """Each phase's prompts together; -> name: (token ids, chosen-token logprobs, cached tokens,
+    prompt tokens' logprobs). The filler decodes long enough to push a tight KV cache into
+    preemption; "A prompt logprobs" asks for prompt logprobs once A is cached."""
     out = {}
     for phase in phases:
         names = list(phase)
         sps = [SamplingParams(temperature=0, max_tokens=60 if n == "filler" else MAX_TOKENS, ignore_eos=True,
-                              logprobs=1) for n in names]
+                              logprobs=1, prompt_logprobs=1 if "prompt" in n else None) for n in names]
         for name, o in zip(names, llm.generate([phase[n] for n in names], sps)):
             c = o.outputs[0]
-            out[name] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)], o.num_cached_tokens)
+            plp = [d[t] for d, t in zip(o.prompt_logprobs[1:], phase[name][1:])] if o.prompt_logprobs else []
+            out[name] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)], o.num_cached_tokens, plp)
     llm.engine.scheduler.check_integrity()
     return out
 
@@ -92,10 +96,12 @@ def test_cached_equals_uncached(models, reference, draft_head, kind, spec, setti
         sc = {**sc, "draft_model": draft_head}
     llm = LLM(models[kind], speculative_config=sc, **{"max_model_len": LEN, **SETTINGS[setting]})
     got = _run(llm, phases)
-    for name, (toks, lps, _) in ref.items():
+    for name, (toks, lps, _, plps) in ref.items():
         assert got[name][0] == toks, (name, got[name][0], toks)
         assert np.allclose(got[name][1], lps, atol=2e-3, rtol=0), name
-    cached = {n: c for n, (_, _, c) in got.items()}
+        assert len(got[name][3]) == len(plps) and np.allclose(got[name][3], plps, atol=2e-3, rtol=0), name
+    assert len(ref["A prompt logprobs"][3]) == len(phases[0]["A"]) - 1
+    cached = {n: c for n, (_, _, c, _) in got.items()}
     if setting == "preempting":
         assert llm.engine.stats().num_preemptions_total >= 1
     if setting == "evicting" and kind == "hybrid":
@@ -107,8 +113,12 @@ def test_cached_equals_uncached(models, reference, draft_head, kind, spec, setti
     assert cached["A again"] >= (n_a - 1 if kind == "hybrid" else n_a // 16 * 16)
     assert cached["turn2"] >= (n_a + MAX_TOKENS - 1 if kind == "hybrid" else (n_a + MAX_TOKENS) // 16 * 16 - 1)
     assert cached["C"] >= 63                      # the system prompt's 4 full blocks (a branch point)
+    assert cached["A prompt logprobs"] == 0       # prompt logprobs need every position computed
     st = llm.stats()
     assert st["prefix_cache_hits"] == sum(cached.values())
+    if kind == "hybrid":                          # on by default; the start-up line counts checkpoints
+        m = re.search(r"; (\d+) more for prefix-cache state checkpoints\); prefix caching on", llm.engine.describe())
+        assert m and int(m.group(1)) == llm.config.scheduler.max_num_seqs >= 1
 
 
 def test_caching_off_is_off(models):
