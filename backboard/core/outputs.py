@@ -100,7 +100,7 @@ class EngineCoreOutput:
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    kv_cache_usage: float = 0.0                   # held by requests (not by prefix-cache checkpoints)
     state_slot_usage: float = 0.0
     num_preemptions_total: int = 0
     spec_num_drafts: int = 0

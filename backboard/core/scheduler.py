@@ -362,16 +362,28 @@ class Scheduler:
     # ---- observability -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         s = self.spec_stats
+        kv_usage, slot_usage = self._usage_by_requests()
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv.usage(),
-            state_slot_usage=self.states.usage() if self.states is not None else 0.0,
+            kv_cache_usage=kv_usage, state_slot_usage=slot_usage,
             num_preemptions_total=self.num_preemptions_total,
             spec_num_drafts=s.spec_num_drafts, spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_position=list(s.spec_accepted_per_position),
             spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s,
             num_prompt_tokens_total=self.num_prompt_tokens_total, **self._prefix_stats())
+
+    def _usage_by_requests(self) -> tuple[float, float]:
+        """(KV blocks, state slots) held by requests, as fractions. What only prefix-cache
+        checkpoints or the LRU hold is reclaimable on demand, so it does not count (vLLM's meaning;
+        the checkpoints have a gauge of their own)."""
+        slots = self.states.usage() if self.states is not None else 0.0
+        if self.prefix is None:
+            return self.kv.usage(), slots
+        blocks = {b for r in self.running for b in r.block_ids}
+        if self.states is not None:
+            slots = sum(len(r.state_slots) for r in self.running) / self.states.num_slots
+        return len(blocks) / self.kv.pool.num_blocks, slots
 
     def _prefix_stats(self) -> dict[str, int]:
         if self.prefix is None:

@@ -171,6 +171,21 @@ def test_hybrid_multi_turn_resumes_from_the_finished_request():
     assert out2 == greedy(p2, 5, VOCAB)
 
 
+def test_usage_counts_what_requests_hold_not_the_checkpoints():
+    """Idle with checkpoints: the KV and slot usage gauges read 0 (what checkpoints pin is
+    reclaimable; they have a gauge of their own); while a request runs, its blocks count."""
+    s, w = make(slots=16)
+    add(s, "a", prompt(8, 30), max_tokens=3)
+    so = s.schedule()
+    s.update_from_output(so, w.execute(so))
+    st = s.stats()
+    assert st.kv_cache_usage == pytest.approx(len(s.running[0].block_ids) / 256) and st.state_slot_usage > 0
+    run(s, w)
+    st = s.stats()
+    assert st.prefix_cache_checkpoints >= 1 and s.kv.usage() > 0
+    assert st.kv_cache_usage == 0 and st.state_slot_usage == 0
+
+
 def test_hybrid_branch_point_checkpoint_serves_the_third_request():
     s, w = make(slots=16)
     system = prompt(7, 24)
