@@ -255,6 +255,9 @@ class CacheConfig:
     num_state_slots: int | None = None      # None: max_num_seqs * (1 + num_speculative_tokens)
     kv_cache_memory_gib: float | None = None  # CPU budget for KV blocks (None: a default)
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    checkpoint_interval: int = 1024         # hybrid: a GDN state checkpoint every this many prompt tokens (0: none)
+    num_checkpoint_slots: int | None = None  # hybrid: state slots for checkpoints (None: max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -267,6 +270,11 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
+        if self.checkpoint_interval < 0 or self.checkpoint_interval % self.block_size:
+            raise ConfigError(f"prefix_cache_checkpoint_interval must be 0 or a multiple of block_size "
+                              f"({self.block_size}); got {self.checkpoint_interval}")
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
+            raise ConfigError(f"prefix_cache_checkpoints must be >= 0; got {self.num_checkpoint_slots}")
 
 
 FAIRNESS_MODES = ("request", "user", "off")     # core/fairness.py
@@ -383,6 +391,14 @@ class EngineArgs:
     cpu_threads: int | None = _setting(
         None, "CPU: compute threads of the engine (default: every core this process may run on, or "
               "$OMP_NUM_THREADS; the HTTP front end keeps one torch thread)")
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV blocks and GDN states of prefixes seen before (--no-enable-prefix-caching: off)")
+    prefix_cache_checkpoint_interval: int = _setting(
+        1024, "hybrid models: checkpoint the GDN state every this many prompt tokens (0: only at prompt "
+        "ends, finished requests and branch points; a multiple of --block-size)")
+    prefix_cache_checkpoints: int | None = _setting(
+        None, "hybrid models: state slots for prefix-cache checkpoints beside the running requests' "
+        "(default: max_num_seqs)")
     served_model_name: str | None = _setting(None, "the model's name in responses", cli=False)
 
     @classmethod
@@ -428,7 +444,10 @@ class EngineConfig:
             model=mc,
             cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                               kv_cache_memory_gib=a.kv_cache_memory_gib,
-                              gpu_memory_utilization=a.gpu_memory_utilization),
+                              gpu_memory_utilization=a.gpu_memory_utilization,
+                              enable_prefix_caching=a.enable_prefix_caching,
+                              checkpoint_interval=a.prefix_cache_checkpoint_interval,
+                              num_checkpoint_slots=a.prefix_cache_checkpoints),
             scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=mc.max_model_len, policy=a.scheduling_policy,

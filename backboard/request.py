@@ -72,11 +72,13 @@ class Request:
         self.spec_token_ids: list[int] = []     # drafts to verify in the next step
         self.block_ids: list[int] = []
         self.state_slots: list[int] = []
+        self.current_state_slot = -1            # the slot holding the state after num_computed
+        self.block_hashes: list[bytes] = []     # chained hashes of full blocks (prefix caching)
         self.num_preemptions = 0
         # timing (engine clock, time.time()) for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0              # prompt tokens served by the prefix cache
 
     # -------------------------------------------------------------------------------------
     @property

@@ -42,6 +42,12 @@ class SchedulerOutput:
     spec_decode_tokens: dict[str, list[int]]      # req_id -> drafts verified this step
     finished_req_ids: set[str]                    # finished / aborted / preempted: drop them
     num_spec_tokens: int = 0                      # drafts to propose for the next step (k)
+    # prefix caching: copies the worker makes before this step's forward (even in an otherwise
+    # empty step), each list in order: (src block, dst block) for the K and V of every attention
+    # layer (the proposer's too); (src slot, dst slot) for the conv and recurrent state of every
+    # GDN layer
+    kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -87,13 +93,14 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                    # prompt tokens the prefix cache served
 
 
 @dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    kv_cache_usage: float = 0.0                   # held by requests (not by prefix-cache checkpoints)
     state_slot_usage: float = 0.0
     num_preemptions_total: int = 0
     spec_num_drafts: int = 0
@@ -103,3 +110,6 @@ class SchedulerStats:
     spec_draft_time_s: float = 0.0
     spec_verify_time_s: float = 0.0
     num_prompt_tokens_total: int = 0              # prompts prefilled (counted at their first token)
+    prefix_cache_queries: int = 0                 # tokens of admitted requests looked up
+    prefix_cache_hits: int = 0                    # of which served from the prefix cache
+    prefix_cache_checkpoints: int = 0             # GDN state checkpoints held now

@@ -8,7 +8,12 @@ out, the lowest-priority running request not yet scheduled this step (the latest
 FCFS) is preempted by recompute: its blocks and slots are freed and it goes back to the waiting
 queue with its tokens, to be prefilled again later. Fair shares between requests (which waiting
 request is admitted, prefill tokens per request per step, preemption victims, paused requests) are
-core/fairness.py's policy."""
+core/fairness.py's policy.
+
+With prefix caching (core/prefix_cache.py), a waiting request starts at the longest cached prefix
+it can resume from (num_computed_tokens starts there; the copies that takes ride in the
+SchedulerOutput), its prefill chunks end at checkpoint positions, and checkpoints are evicted
+before any running request is preempted."""
 
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from backboard.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from backboard.core.state_pool import StatePool
+from backboard.core.prefix_cache import PrefixCache, PrefixCacheSettings
+from backboard.core.state_pool import StatePool, verify_slot_order
 from backboard.request import FINISH_REASON, Request, RequestStatus
 
 
@@ -78,15 +84,17 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, block_size: int, num_blocks: int,
-                 num_state_slots: int | None, num_spec_tokens: int = 0) -> None:
+                 num_state_slots: int | None, num_spec_tokens: int = 0,
+                 prefix_cache: PrefixCacheSettings | None = None) -> None:
         self.cfg = cfg
         self.num_spec_tokens = num_spec_tokens
         # with speculation, blocks for k more tokens than scheduled: the proposer writes its own
         # KV cache up to k - 1 positions past the newest token
         self.lookahead = num_spec_tokens
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=prefix_cache is not None)
         self.states = (StatePool(num_state_slots, 1 + num_spec_tokens)
                        if num_state_slots is not None else None)
+        self.prefix = PrefixCache(self.kv, self.states, prefix_cache) if prefix_cache is not None else None
         self.waiting = WaitingQueue(cfg.policy == "priority")
         self.fair = FairShare(cfg)
         self.running: list[Request] = []
@@ -157,6 +165,8 @@ class Scheduler:
         self.fair.begin_step(self.running, self.waiting)
         self.fair.rebalance(self.running, self.waiting, self._can_admit, self._preempt, self._priority_key)
         preemptions_before = self.num_preemptions_total
+        if self.prefix is not None:
+            self.prefix.clock += 1
 
         # 1. running requests, those in decode first (a long prefill never starves them)
         running_status = RequestStatus.RUNNING
@@ -179,18 +189,14 @@ class Scheduler:
         while (self.num_preemptions_total == preemptions_before and len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.fair.next_waiting(self.waiting)
-            if req is None or (self.states is not None and not self.states.can_allocate()):
+            if req is None:
                 break
-            n = self._num_new_tokens(req, budget)
-            if n <= 0:
+            admitted = self._admit(req, budget)
+            if admitted is None:
                 break
-            new_blocks = self.kv.allocate(req, n + self.lookahead)
-            if new_blocks is None:
-                break
+            n, new_blocks = admitted
             self.waiting.remove(req)
             self.fair.on_admit(req)
-            if self.states is not None:
-                self.states.allocate(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -202,6 +208,8 @@ class Scheduler:
             new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()), spec_decode_tokens=spec_tokens,
             finished_req_ids=self._finished_for_runner, num_spec_tokens=self.num_spec_tokens)
+        if self.prefix is not None:
+            out.kv_block_copies, out.state_copies = self.prefix.take_copies()
         self._finished_for_runner = set()
         return out
 
@@ -211,7 +219,10 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         # never past the context (drafts beyond it are dropped)
         n = min(n, budget, self.cfg.max_model_len - req.num_computed_tokens)
-        return self.fair.token_cap(req, n)
+        n = self.fair.token_cap(req, n)
+        if self.prefix is not None:
+            n = self.prefix.clamp(req, n)
+        return n
 
     def _can_admit(self, req: Request) -> bool:
         """A sequence slot, a state slot and KV blocks for its first chunk are free now."""
@@ -222,6 +233,28 @@ class Scheduler:
         n = min(len(req.all_token_ids) - req.num_computed_tokens, self.cfg.max_num_batched_tokens)
         return self.kv.can_allocate(req, n + self.lookahead)
 
+    def _admit(self, req: Request, budget: int) -> tuple[int, list[int]] | None:
+        """Blocks and slots for a waiting request's first chunk: (tokens, new blocks), or None
+        (nothing allocated). With prefix caching it resumes where the cache lets it."""
+        if self.prefix is not None:
+            hit = self.prefix.lookup(req)
+            req.num_computed_tokens = hit.num_tokens
+            n = self._num_new_tokens(req, budget)
+            new_blocks = self.prefix.allocate(req, hit, n + self.lookahead) if n > 0 else None
+            if new_blocks is None:
+                req.num_computed_tokens = 0
+                return None
+            return n, new_blocks
+        if self.states is not None and not self.states.can_allocate():
+            return None
+        n = self._num_new_tokens(req, budget)
+        new_blocks = self.kv.allocate(req, n + self.lookahead) if n > 0 else None
+        if new_blocks is None:
+            return None
+        if self.states is not None:
+            self.states.allocate(req)
+        return n, new_blocks
+
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str]) -> list[int] | None:
         """Allocate blocks for n new tokens, preempting lower-priority running requests (not yet
         scheduled this step) until it fits. None when req itself had to be preempted."""
@@ -231,6 +264,9 @@ class Scheduler:
             new_blocks = self.kv.allocate(req, n + self.lookahead)
             if new_blocks is not None:
                 return new_blocks
+            if self.prefix is not None and self.prefix.make_room_for_blocks(
+                    self.kv.num_blocks_needed(req, n + self.lookahead)):
+                continue                   # checkpoints went before any request is preempted
             candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = self.fair.kv_victim(candidates, self._priority_key)
             self._preempt(victim)
@@ -253,10 +289,11 @@ class Scheduler:
         self.waiting.add(req)
 
     def _release(self, req: Request) -> None:
+        keep = self.prefix.on_release(req, req.is_finished) if self.prefix is not None else None
         if req.block_ids:
             self.kv.free(req)
         if self.states is not None and req.state_slots:
-            self.states.free(req)
+            self.states.free(req, keep)
         if req.request_id in self._runner_knows:
             self._runner_knows.discard(req.request_id)
             self._finished_for_runner.add(req.request_id)
@@ -306,6 +343,10 @@ class Scheduler:
                 new_tokens.append(t)
                 if req.append_token(t):
                     break
+            if drafts and new_tokens and req.state_slots:
+                # the worker's rule (verify_slot_order): the state after the last kept row is current
+                req.current_state_slot = verify_slot_order(
+                    req.state_slots, req.current_state_slot, len(drafts) + 1)[len(new_tokens) - 1]
             if new_tokens and req.first_token_time is None:
                 req.first_token_time = now
                 self.num_prompt_tokens_total += req.num_prompt_tokens
@@ -323,6 +364,8 @@ class Scheduler:
             if finished:
                 self.running.remove(req)
                 self._release(req)
+            elif self.prefix is not None:
+                self.prefix.after_step(req)
             if new_tokens or finished or plp:
                 outs.append(self._output(req, new_tokens, lps, plp))
         if ro.num_draft_tokens is not None:
@@ -350,29 +393,57 @@ class Scheduler:
         return EngineCoreOutput(req.request_id, new_tokens, logprobs, prompt_logprobs,
                                 FINISH_REASON.get(req.status), req.stop_reason, req.num_prompt_tokens,
                                 req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                req.num_preemptions)
+                                req.num_preemptions, req.num_cached_tokens)
 
     # ---- observability -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         s = self.spec_stats
+        kv_usage, slot_usage = self._usage_by_requests()
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv.usage(),
-            state_slot_usage=self.states.usage() if self.states is not None else 0.0,
+            kv_cache_usage=kv_usage, state_slot_usage=slot_usage,
             num_preemptions_total=self.num_preemptions_total,
             spec_num_drafts=s.spec_num_drafts, spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_position=list(s.spec_accepted_per_position),
             spec_draft_time_s=s.spec_draft_time_s, spec_verify_time_s=s.spec_verify_time_s,
-            num_prompt_tokens_total=self.num_prompt_tokens_total)
+            num_prompt_tokens_total=self.num_prompt_tokens_total, **self._prefix_stats())
+
+    def _usage_by_requests(self) -> tuple[float, float]:
+        """(KV blocks, state slots) held by requests, as fractions. What only prefix-cache
+        checkpoints or the LRU hold is reclaimable on demand, so it does not count (vLLM's meaning;
+        the checkpoints have a gauge of their own)."""
+        slots = self.states.usage() if self.states is not None else 0.0
+        if self.prefix is None:
+            return self.kv.usage(), slots
+        blocks = {b for r in self.running for b in r.block_ids}
+        if self.states is not None:
+            slots = sum(len(r.state_slots) for r in self.running) / self.states.num_slots
+        return len(blocks) / self.kv.pool.num_blocks, slots
+
+    def _prefix_stats(self) -> dict[str, int]:
+        if self.prefix is None:
+            return {}
+        p = self.prefix.stats
+        return dict(prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
+                    prefix_cache_checkpoints=len(self.prefix.store))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and checkpoint (e.g. between benchmark runs)."""
+        if self.prefix is not None:
+            self.prefix.reset()
 
     def check_integrity(self) -> None:
-        """Every block and slot is free or held by exactly one running request."""
+        """Every block and slot is free or held by running requests and checkpoints, as their
+        reference counts say."""
         for r in self.waiting:
             if r.block_ids or r.state_slots:
                 raise AssertionError(f"waiting request {r.request_id} holds blocks or slots")
-        self.kv.check_integrity(self.running)
+        ck_blocks, ck_slots = self.prefix.owners() if self.prefix is not None else ([], [])
+        self.kv.check_integrity(self.running, ck_blocks)
         if self.states is not None:
-            self.states.check_integrity(self.running)
+            self.states.check_integrity(self.running, ck_slots)
+        if self.prefix is not None:
+            self.prefix.check_integrity()
         if len(self.running) > self.cfg.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")

@@ -1,9 +1,18 @@
 """Recurrent-state slots of the GDN layers: 1 + k slots per request with k drafts (verification
-writes the state after each draft position into its own slot)."""
+writes the state after each draft position into its own slot), and single slots held by
+prefix-cache state checkpoints (core/prefix_cache.py). Both come from one pool of slots."""
 
 from __future__ import annotations
 
 from backboard.request import Request
+
+
+def verify_slot_order(slots: list[int], current: int, num_rows: int) -> list[int]:
+    """Destination slot of the state after each of a request's `num_rows` verify rows: the
+    current slot first, then its other slots in order. Row j's state lands in dst[j], and the
+    state after the last accepted row becomes the current one (no copy). The worker and the
+    scheduler both follow this rule, so both know which slot holds a request's state."""
+    return ([current] + [s for s in slots if s != current])[:num_rows]
 
 
 class StatePool:
@@ -30,30 +39,48 @@ class StatePool:
             raise RuntimeError(f"{req.request_id} already holds state slots")
         if not self.can_allocate():
             raise RuntimeError("no free state slots")
-        slots = [self._free.pop() for _ in range(self.slots_per_request)]
-        for s in slots:
-            self._owned[s] = True
+        slots = [self.take() for _ in range(self.slots_per_request)]
         req.state_slots = slots
+        req.current_state_slot = slots[0]
         return slots
 
-    def free(self, req: Request) -> None:
+    def take(self) -> int:
+        """One slot (a prefix-cache checkpoint's)."""
+        if not self._free:
+            raise RuntimeError("no free state slots")
+        s = self._free.pop()
+        self._owned[s] = True
+        return s
+
+    def release(self, slot: int) -> None:
+        if not self._owned[slot]:
+            raise RuntimeError(f"state slot {slot} freed twice")
+        self._owned[slot] = False
+        self._free.append(slot)
+
+    def free(self, req: Request, keep: int | None = None) -> None:
+        """Free the request's slots, except `keep` (handed on, e.g. to a checkpoint)."""
         for s in req.state_slots:
-            if not self._owned[s]:
-                raise RuntimeError(f"state slot {s} freed twice")
-            self._owned[s] = False
-            self._free.append(s)
+            if s != keep:
+                self.release(s)
         req.state_slots = []
+        req.current_state_slot = -1
 
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_slots
 
-    def check_integrity(self, live: list[Request]) -> None:
+    def check_integrity(self, live: list[Request], other_owners: list[int] = ()) -> None:
+        """Every slot is free, or held by one live request or one other owner (checkpoints)."""
         if len(set(self._free)) != len(self._free):
             raise AssertionError("a state slot is free twice")
-        owned = [s for r in live for s in r.state_slots]
+        owned = [s for r in live for s in r.state_slots] + list(other_owners)
         if len(set(owned)) != len(owned):
             raise AssertionError("a state slot has two owners")
         if set(owned) | set(self._free) != set(range(self.num_slots)) or set(owned) & set(self._free):
             raise AssertionError("state slots leaked or double-booked")
-        if any(self._owned[s] != (s in set(owned)) for s in range(self.num_slots)):
+        owned_set = set(owned)
+        if any(self._owned[s] != (s in owned_set) for s in range(self.num_slots)):
             raise AssertionError("state slot ownership flags out of sync")
+        for r in live:
+            if r.state_slots and r.current_state_slot not in r.state_slots:
+                raise AssertionError(f"{r.request_id}'s current state slot is not one of its slots")

@@ -381,7 +381,7 @@ def _delta(ro: RequestOutput, indices) -> RequestDelta:
     """The step's RequestDelta of a request, from its (cumulative) RequestOutput."""
     return RequestDelta(ro.request_id, [_completion_delta(ro.outputs[i]) for i in indices], ro.finished,
                         len(ro.prompt_token_ids), sum(len(c.token_ids) for c in ro.outputs),
-                        ro.prompt_logprobs if ro.finished else None)
+                        ro.prompt_logprobs if ro.finished else None, ro.num_cached_tokens)
 
 
 def _completion_delta(c: CompletionOutput) -> CompletionDelta:

@@ -22,8 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     for f in engine_flags():
         flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if hints[f.name] is bool:
-            group.add_argument(flag, action="store_true", default=f.default, help=help_)
+        if hints[f.name] is bool:     # on by default: --flag / --no-flag
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag, action=action, default=f.default, help=help_)
         else:
             group.add_argument(flag, type=_scalar(hints[f.name]), default=f.default,
                                choices=f.metadata["choices"], help=help_)

@@ -31,7 +31,7 @@ class EngineCore:
         self.runner = ModelRunner(cfg, proposer)
         self.scheduler = Scheduler(cfg.scheduler, cfg.cache.block_size, self.runner.num_blocks,
                                    self.runner.num_slots if cfg.model.is_hybrid else None,
-                                   cfg.num_spec_tokens)
+                                   cfg.num_spec_tokens, self._prefix_cache_settings(proposer))
         self.structured = StructuredOutputManager(cfg)
         self.runner.grammars = GrammarBatch(self.structured.compiler.get)
         self.num_steps = 0
@@ -40,6 +40,12 @@ class EngineCore:
         # cumulative seconds of step(): in the scheduler (schedule + update), in the runner, and
         # the runner's forward pass (model + LM head)
         self.schedule_time_s = self.execute_time_s = self.forward_time_s = 0.0
+
+    def _prefix_cache_settings(self, proposer):
+        from backboard.worker.memory import prefix_cache_settings
+
+        extra = proposer.num_extra_attn_layers if proposer is not None else 0
+        return prefix_cache_settings(self.cfg, self.runner.dtype, extra)
 
     def add_request(self, ecr: EngineCoreRequest) -> None:
         """Raises ValueError when the request cannot be served (e.g. it can never fit). A request
@@ -100,6 +106,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
     def phase_times(self) -> dict[str, float]:
         """Cumulative seconds of step() by phase: schedule, forward, draft (proposing), sample
         (the rest of the runner: inputs, sampling, bookkeeping)."""
@@ -113,8 +122,17 @@ class EngineCore:
         return engine_info(self)
 
     def describe(self) -> str:
+        from backboard.worker.memory import num_checkpoint_slots_for
+
         r, c = self.runner, self.cfg
+        ck = num_checkpoint_slots_for(c)
+        slots = (f"state slots: {r.num_slots} ({r.num_slots - ck} for running requests, "
+                 f"{c.scheduler.max_num_seqs} x {1 + c.num_spec_tokens}; {ck} more for prefix-cache state "
+                 "checkpoints)")
+        pc = ("on" + (f", a state checkpoint every {c.cache.checkpoint_interval} prompt tokens"
+                      if c.model.is_hybrid and c.cache.checkpoint_interval else "")
+              if c.cache.enable_prefix_caching else "off")
         return (f"KV cache: {r.num_blocks} blocks x {c.cache.block_size} tokens = "
-                f"{r.num_blocks * c.cache.block_size} tokens; state slots: {r.num_slots} "
-                f"({c.scheduler.max_num_seqs} requests x {1 + c.num_spec_tokens}); "
-                f"max_model_len {c.scheduler.max_model_len}; device {c.device}; dtype {c.model.dtype}")
+                f"{r.num_blocks * c.cache.block_size} tokens; " + (slots + "; " if c.model.is_hybrid else "")
+                + f"prefix caching {pc}; max_model_len {c.scheduler.max_model_len}; device {c.device}; "
+                f"dtype {c.model.dtype}")

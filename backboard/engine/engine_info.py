@@ -28,7 +28,7 @@ def engine_info(core) -> dict[str, Any]:
         "max_model_len": sc.max_model_len, "scheduling_policy": sc.policy,
         "speculative": ({"method": cfg.spec.method, "num_speculative_tokens": cfg.num_spec_tokens,
                          "adaptive": cfg.spec.adaptive} if cfg.spec is not None else None),
-        "prefix_caching": False,
+        "prefix_caching": cfg.cache.enable_prefix_caching,
     }
 
 

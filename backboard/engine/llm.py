@@ -70,7 +70,15 @@ class LLM:
                 "spec_mean_acceptance_length": 1 + s.spec_num_accepted_tokens / drafts,
                 "spec_acceptance_rate_per_position": [a / drafts for a in s.spec_accepted_per_position],
                 "spec_draft_time_s": s.spec_draft_time_s, "spec_verify_time_s": s.spec_verify_time_s})
+        if self.config.cache.enable_prefix_caching:
+            d.update({"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                      "prefix_cache_hit_rate": s.prefix_cache_hits / max(s.prefix_cache_queries, 1),
+                      "prefix_cache_checkpoints": s.prefix_cache_checkpoints})
         return d
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (KV blocks and state checkpoints)."""
+        self.engine.reset_prefix_cache()
 
     # ---- step by step (vLLM's LLMEngine names) ------------------------------------------------
     def add_request(self, prompt: str | Sequence[int] | dict[str, Any], params: SamplingParams | None = None,

@@ -58,6 +58,7 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     finished: bool = False
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0                # prompt tokens served by the prefix cache
 
 
 class InputError(ValueError):
@@ -164,6 +165,7 @@ class ParentRequest:
         self.children = [RequestState(i, params, tokenizer, cumulative) for i in range(params.n)]
         self.prompt_logprobs: list[Logprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time)
+        self.num_cached_tokens = 0
 
     def child_id(self, i: int) -> str:
         return self.request_id if len(self.children) == 1 else f"{self.request_id}#{i}"
@@ -182,7 +184,7 @@ class ParentRequest:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [c.out for c in self.children],
-                             self.prompt_logprobs, self.finished, self.metrics)
+                             self.prompt_logprobs, self.finished, self.metrics, self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -229,6 +231,7 @@ class OutputProcessor:
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
             m.num_preemptions = max(m.num_preemptions, eco.num_preemptions)
+            parent.num_cached_tokens = max(parent.num_cached_tokens, eco.num_cached_tokens)
             if child.out.finished:
                 self.child_to_parent.pop(eco.req_id, None)
             touched[parent.request_id] = parent

@@ -57,6 +57,7 @@ class RequestDelta:
     num_output_tokens: int                      # over all completions, up to this step (usage)
     prompt_logprobs: list[Logprobs | None] | None = None  # the whole prompt's (first entry None),
     #                                             on the finishing delta, when the request asked
+    num_cached_tokens: int = 0                  # prompt tokens the prefix cache served (usage)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class RequestStream:
         self.request_id, self.n, self.timings = request_id, n, timings
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = [0] * n                  # per completion, so far
+        self.num_cached_tokens = 0                        # prompt tokens served by the prefix cache
         self.finish_reasons: list[str | None] = [None] * n
         self.finished = False
         self.aborted = False
@@ -102,6 +104,7 @@ class RequestStream:
 
     # ---- the engine client's side --------------------------------------------------------
     def push(self, delta: RequestDelta) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         for c in delta.outputs:
             self.num_output_tokens[c.index] += len(c.token_ids)
             self._pending_tokens += len(c.token_ids)

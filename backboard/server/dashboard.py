@@ -98,11 +98,16 @@ class DashboardStats:
         s = st.scheduler
         out: dict[str, Any] = {"t": st.time, "running": s.num_running, "waiting": s.num_waiting,
                                "kv_cache_usage": s.kv_cache_usage, "state_slot_usage": s.state_slot_usage,
-                               "prefix_cache_hit_rate": prefix_hit_rate(prev, st)}
+                               "prefix_cache_hit_rate": prefix_hit_rate(prev, st) if self._prefix_caching else None}
         out.update(rates(prev, st, detok_s))
         lat = self.latencies(st.time)
         out["ttft_ms"], out["tpot_ms"] = lat["ttft_ms"], lat["tpot_ms"]
         return out
+
+    @property
+    def _prefix_caching(self) -> bool:
+        """The engine's info says prefix caching is on (engine_info.py)."""
+        return bool((getattr(self.engine, "info", None) or {}).get("prefix_caching"))
 
     def _prune(self, now: float) -> None:
         while self.samples and self.samples[0]["t"] < now - self.history_s:

@@ -73,6 +73,14 @@ class ServerMetrics:
         self.spec_accept_len = Gauge("backboard:spec_decode_mean_acceptance_length",
                                      "Tokens per draft round: 1 + accepted drafts / rounds (since start)",
                                      m, registry=r)
+        self.prefix_queries = Counter("backboard:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", m, registry=r)
+        self.prefix_hits = Counter("backboard:prefix_cache_hits",
+                                   "Prompt tokens served by the prefix cache (not computed)", m, registry=r)
+        self.prefix_hit_rate = Gauge("backboard:prefix_cache_hit_rate",
+                                     "Prefix cache hits / queries since start (0-1)", m, registry=r)
+        self.prefix_checkpoints = Gauge("backboard:prefix_cache_state_checkpoints",
+                                        "GDN state checkpoints held by the prefix cache", m, registry=r)
         self.step_time = Counter("backboard:engine_step_time_seconds",
                                  "Wall time the engine process spent inside step()", m, registry=r)
         self.steps = Counter("backboard:engine_steps", "Engine steps", m, registry=r)
@@ -87,14 +95,15 @@ class ServerMetrics:
             self.timeouts.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
                   self.spec_draft_tokens, self.spec_accepted, self.spec_draft_time,
-                  self.spec_verify_time, self.step_time, self.steps, self.pauses):
+                  self.spec_verify_time, self.step_time, self.steps, self.pauses, self.prefix_queries,
+                  self.prefix_hits):
             c.labels(model_name)                   # exported as 0 from the start
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for pos in range(num_spec_tokens):
             self.spec_per_pos.labels(model_name, str(pos))
         for g in (self.running, self.waiting, self.kv_usage, self.slot_usage, self.spec_accept_len,
-                  self.engine_up):
+                  self.engine_up, self.prefix_hit_rate, self.prefix_checkpoints):
             g.labels(model_name).set(0)
         self._last: EngineStats | None = None
 
@@ -145,6 +154,11 @@ class ServerMetrics:
         inc(self.spec_verify_time, s.spec_verify_time_s, prev.spec_verify_time_s if prev else 0.0)
         if s.spec_num_drafts:
             self.spec_accept_len.labels(name).set(1 + s.spec_num_accepted_tokens / s.spec_num_drafts)
+        inc(self.prefix_queries, s.prefix_cache_queries, prev.prefix_cache_queries if prev else 0)
+        inc(self.prefix_hits, s.prefix_cache_hits, prev.prefix_cache_hits if prev else 0)
+        if s.prefix_cache_queries:
+            self.prefix_hit_rate.labels(name).set(s.prefix_cache_hits / s.prefix_cache_queries)
+        self.prefix_checkpoints.labels(name).set(s.prefix_cache_checkpoints)
         inc(self.step_time, st.step_time_s, last.step_time_s if last else 0.0)
         inc(self.steps, st.num_steps, last.num_steps if last else 0)
         before = prev.spec_accepted_per_position if prev else []

@@ -353,7 +353,7 @@ class GenerationHandler:
         want_lp = call.params.logprobs is not None
         choices = [self._choice(call, whole, i, want_lp) for i in range(call.params.n)]
         body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
-                      R.usage(call.stream.num_prompt_tokens, whole.num_output_tokens))
+                      R.usage(call.stream.num_prompt_tokens, whole.num_output_tokens, call.stream.num_cached_tokens))
         if call.want_timing:
             call.first_chunk_time = call.stream.timings.first_output
             body["backboard_timing"] = self._timing(call)
@@ -410,13 +410,14 @@ class GenerationHandler:
                 continue
             chunk = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [choice])
             if call.continuous_usage:
-                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens)
+                chunk["usage"] = R.usage(call.stream.num_prompt_tokens, chunks.sent_tokens,
+                                         call.stream.num_cached_tokens)
             events.append(R.sse(chunk))
         return events
 
     def _usage_chunk(self, call: _Call, sent_tokens: int) -> dict:
         final = R.body(call.kind.chunk_object, call.request_id, call.created, call.model, [],
-                       R.usage(call.stream.num_prompt_tokens, sent_tokens))
+                       R.usage(call.stream.num_prompt_tokens, sent_tokens, call.stream.num_cached_tokens))
         if call.want_timing:
             final["backboard_timing"] = self._timing(call)
         return final

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from backboard.core.state_pool import verify_slot_order
 from backboard.worker.input_batch import InputBatch
 
 
@@ -22,9 +23,10 @@ def verify_dst_slots(batch: InputBatch, rows: np.ndarray, drafts: Sequence[Seque
 
 
 def _dst(batch: InputBatch, row: int, L: int) -> np.ndarray:
-    slots = batch.state_slots[row]
-    cur = batch.cur_slot[row]
-    return np.concatenate([[cur], slots[slots != cur]])[:L]
+    # the scheduler follows the same rule to know which slot holds a request's state; a model
+    # without GDN layers has distinct slots for none of its rows (padded with slot 0, never read)
+    dst = verify_slot_order(batch.state_slots[row].tolist(), int(batch.cur_slot[row]), L)
+    return np.array(dst + [0] * (L - len(dst)), dtype=np.int64)
 
 
 def commit_accepted_slots(batch: InputBatch, rows: np.ndarray, dst: Sequence[np.ndarray | None],

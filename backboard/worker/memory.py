@@ -7,6 +7,7 @@ import torch
 
 from backboard.config import ModelConfig
 from backboard.constants import spec_token_margin
+from backboard.core.prefix_cache import PrefixCacheSettings
 from backboard.forward_context import ModelCaches
 
 GiB = 1 << 30
@@ -43,6 +44,26 @@ def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slot
         ssm = torch.zeros(n_gdn, num_slots + 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim, dtype=torch.float32, device=device)
     return ModelCaches(k=k, v=v, conv=conv, ssm=ssm)
+
+
+def num_checkpoint_slots_for(cfg) -> int:
+    """State slots for prefix-cache checkpoints beside the running requests' (hybrid models with
+    prefix caching on; default max_num_seqs: every running request can leave one behind)."""
+    cc = cfg.cache
+    if not cc.enable_prefix_caching or not cfg.model.is_hybrid:
+        return 0
+    return cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else cfg.scheduler.max_num_seqs
+
+
+def prefix_cache_settings(cfg, dtype: torch.dtype, extra_attn_layers: int = 0) -> PrefixCacheSettings | None:
+    """What the scheduler's prefix cache needs to know (None: prefix caching off)."""
+    cc, mc = cfg.cache, cfg.model
+    if not cc.enable_prefix_caching:
+        return None
+    n_attn = len(mc.attn_layer_ids) + extra_attn_layers
+    return PrefixCacheSettings(checkpoint_interval=cc.checkpoint_interval, proposer_has_kv=extra_attn_layers > 0,
+                               state_bytes=max(1, state_bytes_per_slot(mc, dtype)),
+                               block_bytes=kv_bytes_per_block(mc, cc.block_size, dtype, n_attn))
 
 
 class MemoryPlanError(ValueError):
@@ -84,14 +105,15 @@ def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers:
                activation_bytes: int | None = None) -> tuple[int, int]:
     """(num_kv_blocks, num_state_slots) for an EngineConfig.
 
-    Slots: max_num_seqs * (1 + k) unless set. Blocks: `num_kv_blocks` if set; on CUDA, what fits
+    Slots: max_num_seqs * (1 + k) unless set, plus the prefix cache's checkpoint slots on hybrid
+    models (num_checkpoint_slots_for). Blocks: `num_kv_blocks` if set; on CUDA, what fits
     in gpu_memory_utilization of the card after the weights and the state slots (a profiling
     pass: the memory actually in use now, plus an activation reserve); on CPU, kv_cache_memory_gib
     (default 4 GiB), never more than max_num_seqs full-length sequences need.
     activation_bytes: the profiling pass's peak (profile_activation_bytes); None: an estimate."""
     mc, cc, sc = cfg.model, cfg.cache, cfg.scheduler
     bs = cc.block_size
-    slots = cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)
+    slots = (cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)) + num_checkpoint_slots_for(cfg)
     per_block = max(1, kv_bytes_per_block(mc, bs, dtype, len(mc.attn_layer_ids) + extra_attn_layers))
     blocks_per_seq = -(-(sc.max_model_len + spec_token_margin(cfg.num_spec_tokens)) // bs)
     useful = sc.max_num_seqs * blocks_per_seq + 1

@@ -26,6 +26,7 @@ from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.spec_decode.verify import acceptance_counts, commit_accepted_slots
+from backboard.worker.cache_ops import apply_cache_copies
 from backboard.worker.input_batch import InputBatch, StepInputs
 from backboard.worker.memory import allocate_caches, plan_cache, profile_activation_bytes
 from backboard.worker.step import SampleResult, StepPlan, prepare_step
@@ -104,7 +105,10 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """prepare -> forward -> sample -> commit (-> propose the next step's drafts)."""
+        """(prefix-cache copies ->) prepare -> forward -> sample -> commit (-> propose the next
+        step's drafts)."""
+        if so.kv_block_copies or so.state_copies:       # prefix caching: before anything is written
+            apply_cache_copies(self.caches, so.kv_block_copies, so.state_copies)
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [], [])

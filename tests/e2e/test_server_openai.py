@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import httpx
 import openai
 import pytest
@@ -211,3 +214,26 @@ def test_unknown_fields_and_user_are_ignored(client):
     r = client.completions.create(model=SERVED_NAME, prompt="extra", max_tokens=2, user="someone",
                                   extra_body={"not_a_field": {"x": 1}, "best_of": 1}, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+
+def test_prefix_cache_usage_metrics_and_startup_line(client, api_server, tokenizer):
+    """The same long prompt twice: the second answer is the same, its usage says how many prompt
+    tokens the cache served (non-streamed and streamed), /metrics counts them, and the start-up
+    line says how many state checkpoints fit (prefix caching is on by default)."""
+    prompt = " ".join(f"turn {i}: the assistant keeps the conversation history" for i in range(8))
+    n_prompt = len(tokenizer.encode(prompt))
+    before = api_server.metrics().get("backboard:prefix_cache_hits_total", 0.0)
+    first = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=6, **GREEDY)
+    again = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=6, **GREEDY)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert n_prompt - 16 <= cached <= n_prompt - 1, (cached, n_prompt)
+    text, _, usage, _ = _stream_completion(client, model=SERVED_NAME, prompt=prompt, max_tokens=6, **GREEDY)
+    assert text == first.choices[0].text and usage.prompt_tokens_details.cached_tokens >= cached
+    deadline = time.time() + 10               # engine stats reach /metrics at most every 0.5 s
+    while api_server.metrics().get("backboard:prefix_cache_hits_total", 0.0) < before + 2 * cached:
+        assert time.time() < deadline, api_server.metrics()
+        time.sleep(0.2)
+    m = api_server.metrics()
+    assert 0 < m["backboard:prefix_cache_hit_rate"] <= 1 and m["backboard:prefix_cache_state_checkpoints"] >= 1
+    assert re.search(r"\d+ more for prefix-cache state checkpoints\); prefix caching on", api_server.log())

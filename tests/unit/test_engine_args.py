@@ -23,6 +23,7 @@ def _engine_group(command: str) -> set[str]:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_flags_are_the_fields(command):
     want = {"--" + f.name.replace("_", "-") for f in engine_flags()}
+    want |= {"--no-" + f.name.replace("_", "-") for f in engine_flags() if f.default is True}   # on by default
     assert _engine_group(command) == want
     cli = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["cli"]}
     assert cli == {f.name for f in engine_flags()} and "served_model_name" not in cli
@@ -39,6 +40,9 @@ def test_flags_parse_to_typed_keywords():
     assert kw["max_num_seqs"] == 3 and kw["kv_cache_memory_gib"] == 1.5 and kw["enforce_eager"] is True
     assert kw["scheduling_policy"] == "priority" and kw["speculative_config"] == '{"method": "ngram"}'
     assert kw["max_model_len"] == 128 and kw["dtype"] == "auto"
+    assert kw["enable_prefix_caching"] is True
+    assert engine_kwargs(build_parser().parse_args(COMMANDS["serve"] + ["--no-enable-prefix-caching"])
+                         )["enable_prefix_caching"] is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(COMMANDS["serve"] + ["--scheduling-policy", "lifo"])
 

@@ -70,7 +70,22 @@ def test_rates_step_split_and_acceptance_from_engine_stats():
                                                 "draft": 0.5, "detokenize": 0.2})
     assert s["spec_acceptance_length"] == pytest.approx(1 + 12 / 8)
     assert (s["running"], s["waiting"], s["kv_cache_usage"]) == (2, 1, 0.5)
-    assert s["prefix_cache_hit_rate"] is None                           # no prefix caching yet
+    assert s["prefix_cache_hit_rate"] is None                           # prefix caching off
+
+
+def test_prefix_cache_hit_rate_between_samples():
+    """Hits over queried tokens since the previous sample, when the engine says caching is on."""
+    eng = FakeEngine()
+    eng.info = {**FakeEngine.info, "prefix_caching": True}
+    dash = DashboardStats()
+    dash.attach(eng)
+    for t, q, h in ((100.0, 100, 10), (100.5, 300, 190)):
+        st = _stats(t, 10, 50, 300, {}, 0.25)
+        st.scheduler.prefix_cache_queries, st.scheduler.prefix_cache_hits = q, h
+        eng.on_stats(st)
+    first, s = dash.samples
+    assert first["prefix_cache_hit_rate"] == pytest.approx(0.1)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(180 / 200)
 
 
 def test_latency_percentiles_over_the_last_minute(monkeypatch):
