@@ -56,9 +56,9 @@ class EngineIO:
     def send(self, msg: M.OutputMessage) -> None:
         self.out.send(self.enc.encode(msg), copy=False)
 
-    def recv(self, block: bool) -> list[M.InputMessage]:
-        """Every input message waiting; with `block`, waits for at least one frame."""
-        ready = dict(self.poller.poll(None if block else 0))
+    def recv(self, timeout_ms: int | None) -> list[M.InputMessage]:
+        """Every input message waiting, after waiting up to `timeout_ms` for one (None: forever)."""
+        ready = dict(self.poller.poll(timeout_ms))
         if self.parent is not None and self.parent in ready:
             raise FrontEndGone()
         msgs: list[M.InputMessage] = []
@@ -127,12 +127,22 @@ class EngineCoreProc:
         self.pending = M.StepOutputs()
         self.last_stats: tuple[SchedulerStats, int] | None = None
         self.last_stats_time = 0.0
+        self.stats_owed = False            # stats held back by the interval, to send when due
 
     def run(self) -> None:
-        while self._apply(self.io.recv(block=not self.core.has_work())):
+        while self._apply(self.io.recv(self._wait_ms())):
             if self.core.has_work():
                 self._step()
             self._flush()
+
+    def _wait_ms(self) -> int | None:
+        """How long to wait for input: not at all with work; while idle, until held-back stats are
+        due (None: until input comes)."""
+        if self.core.has_work():
+            return 0
+        if not self.stats_owed:
+            return None
+        return max(0, int(1000 * (self.last_stats_time + STATS_INTERVAL_S - time.time())) + 1)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -176,10 +186,12 @@ class EngineCoreProc:
             self.pending = M.StepOutputs()
 
     def _stats_if_due(self) -> M.EngineStats | None:
-        """Stats on change, at most every STATS_INTERVAL_S while busy; always when going idle."""
+        """Stats on change, at most every STATS_INTERVAL_S; those held back while going idle are
+        sent when due (run() waits for them). Sending every idle moment at once made a closed
+        loop of short requests report 'nothing running' in most messages."""
         now = time.time()
-        idle = not self.core.has_work()
-        if not idle and now - self.last_stats_time < STATS_INTERVAL_S:
+        self.stats_owed = now - self.last_stats_time < STATS_INTERVAL_S
+        if self.stats_owed:
             return None
         s = self.core.stats()
         key = (s, self.core.num_steps)

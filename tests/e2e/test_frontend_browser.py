@@ -160,8 +160,13 @@ def test_reasoning_folded_json_and_tool_calls_formatted(open_page):
     assert (req["temperature"], req["top_p"], req["max_tokens"]) == (0.3, 0.9, 64)
     assert req["messages"] == [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "weather in Paris as JSON"}]
-    assert "chat_template_kwargs" not in req                    # the tiny template has no thinking switch
-    assert page.is_disabled("#thinking")
+    # the switch follows the template: enabled and sent where it has enable_thinking, else neither
+    base = page.url.split("/", 3)
+    info = httpx.get(f"{base[0]}//{base[2]}/api/info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    if info["thinking"]:
+        assert set(req["chat_template_kwargs"]) == {"enable_thinking"} and not page.is_disabled("#thinking")
+    else:
+        assert "chat_template_kwargs" not in req and page.is_disabled("#thinking")
     # the next turn sends the answer without its reasoning
     page.fill("#prompt", "thanks")
     page.press("#prompt", "Enter")
@@ -258,7 +263,6 @@ def test_dashboard_plots_move_under_load(open_page, api_server, view):
     page.wait_for_selector("#engine-config tr")
     config = page.text_content("#engine-config")
     assert "float32" in config and "cpu" in config and "threads" in config and "kernels" in config
-    assert page.text_content("[data-card=prefix] b") == "off"           # no prefix caching yet
     with Load(api_server) as load:
         page.wait_for_function("() => Number(document.querySelector('[data-card=running] b').textContent) > 0")
         page.wait_for_function("() => JSON.parse(document.querySelector('[data-chart=throughput] canvas')"
@@ -274,6 +278,7 @@ def test_dashboard_plots_move_under_load(open_page, api_server, view):
                                "document.querySelector(`[data-chart=${c}] canvas`).dataset.latest || '{}'))"
                                ".some((v) => v > 0))")
         assert _latest(page, "phases")["forward"] > 0 and _latest(page, "cache")["kv"] > 0
+        assert page.text_content("[data-card=prefix] b").endswith("%")    # prefix caching is on by default
         screenshot(page, f"dashboard-load-{view}")
     assert load.done > 0
     page.wait_for_function("() => Number(document.querySelector('[data-card=running] b').textContent) === 0")
