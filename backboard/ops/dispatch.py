@@ -29,6 +29,7 @@ import torch
 from backboard.ops.activation import silu_mul_ref
 from backboard.ops.attention import paged_attention_decode_ref
 from backboard.ops.gdn.decode import gdn_decode_ref
+from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
 
@@ -171,3 +172,15 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """See ops.quant.int4_linear_ref: x [M, K] @ dequant(uint8 [N, K//2], [N, K//G])^T -> [M, N]."""
     fn = _kernels("quant_gemm").int4_linear if use_triton(x) else int4_linear_ref
     return fn(x, packed, scales, group_size)
+
+
+def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                ssm_state: torch.Tensor, cu_seqlens: list[int], slots: torch.Tensor,
+                has_initial_state: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
+                head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
+    """See ops.gdn.prefill.gdn_prefill_ref: N prefill spans of proj [P, ...] -> [P, nv*dv]."""
+    fn = _kernels("gdn_prefill").gdn_prefill if use_triton(proj) else gdn_prefill_ref
+    return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, cu_seqlens,
+              slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)

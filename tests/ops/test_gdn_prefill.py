@@ -80,10 +80,13 @@ def test_initial_state_and_span_boundaries_matter(close, differs):
 
 
 def test_chunk_table_never_crosses_a_span():
-    table, n = gp._chunk_table([0, 1, 65, 194])
-    assert list(table[:4]) == [0, 1, 65, 194]
+    C = gp.CHUNK
+    cu = [0, 1, 1 + C, 2 + 3 * C]
+    table, n = gp._chunk_table(cu)
+    assert list(table[:4]) == cu
     chunks = table[4:].reshape(n, 2).tolist()
-    assert chunks == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 194]]
+    assert chunks == [[0, 1], [1, 1 + C], [1 + C, 1 + 2 * C], [1 + 2 * C, 1 + 3 * C],
+                      [1 + 3 * C, 2 + 3 * C]]
 
 
 def test_bad_spans_are_clear_errors():

@@ -21,7 +21,7 @@ from backboard.ops.triton.compile_report import BUDGETS, Budget, check, table
 from backboard.ops.triton.host_compile import LaunchSpec, Resources, blocks_per_sm, parse_ptxas
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_MODULES = ("attention", "gdn_decode", "norm", "activation", "quant_gemm")
+KERNEL_MODULES = ("attention", "gdn_decode", "gdn_prefill", "norm", "activation", "quant_gemm")
 
 
 def _env() -> dict:

@@ -21,7 +21,10 @@ state scan and the outputs), fused into two kernels; chunks never cross a span b
 4. `norm._gated_rms_norm_kernel`: rmsnorm(core) * w * silu(z) -> [P, nv*dv].
 
 Rounding follows ops.gdn.prefill.gdn_prefill_ref: conv output and core rounded to the model dtype.
-Matrix products of bf16 models use TF32 on the GPU (fp32 models: IEEE fp32).
+Matrix products run on tensor cores: the scan's in bf16 for bf16 models (as FLA) and TF32 for fp32
+ones (TF32x3 spills there), the chunk transform's in TF32 (TF32x3, about fp32, for fp32 models).
+At the 27B shapes on sm_90 (benchmarks/results/triton-compile-*): scan 182 registers with 8 warps
+and BV = 16 (BV = 32 or 4 warps spill), chunk transform 98 (bf16), conv 119; no spills.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, next_pow2
+from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
+                                          interpreter_dot_f32, next_pow2)
 from backboard.ops.triton.norm import gated_rms_norm
 
-CHUNK = 64                  # tokens per chunk (fixed: one compiled variant per model shape)
+CHUNK = 32                  # tokens per chunk (fixed: one compiled variant per model shape)
 # span offsets and slots are slices at any offset of the step's arrays: no alignment specialisation
 _VARYING = dict(do_not_specialize_on_alignment=["cu_ptr", "slots_ptr", "init_ptr", "chunks_ptr"])
 
@@ -91,6 +95,16 @@ def _gdn_prefill_conv_kernel(
     tl.debug_barrier()              # every warp has read the old window (at t0 = 0)
     tl.store(win_ptr + rows[:, None] * stride_st + c[None, :], win.to(win_ptr.dtype.element_ty),
              mask=wmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _mm(a, b, LOW: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation; LOW: bf16 operands (bf16 models on the GPU, as FLA does:
+    half the registers of TF32 operands)."""
+    if LOW:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -161,7 +175,7 @@ def _gdn_chunk_scan_kernel(
     out_ptr, stride_out,              # core [P, nv*dv] in the model dtype
     NV, q_scale,
     R: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -193,15 +207,15 @@ def _gdn_chunk_scan_kernel(
         k = _l2norm_rows(k)
         w = tl.load(w_ptr + (rows[:, None] * NV + h) * DK + dd[None, :], mask=m_k, other=0.0)
         u = tl.load(u_ptr + (rows[:, None] * NV + h) * DV + vv[None, :], mask=m_v, other=0.0)
-        v_new = u - tl.dot(w, S, input_precision=PREC)                     # [CH, BV]
-        attn = tl.dot(q, tl.trans(k), input_precision=PREC)
+        v_new = u - _mm(w, S, LOW, PREC)                     # [CH, BV]
+        attn = _mm(q, tl.trans(k), LOW, PREC)
         attn = tl.where(causal, attn * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(c)[:, None], S, input_precision=PREC)
-        o += tl.dot(attn, v_new, input_precision=PREC)
+        o = _mm(q * tl.exp(c)[:, None], S, LOW, PREC)
+        o += _mm(attn, v_new, LOW, PREC)
         tl.store(out_ptr + rows[:, None] * stride_out + h * DV + vv[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_v)
         k_dec = tl.where(rmask[:, None], k * tl.exp(c_last - c)[:, None], 0.0)
-        S = S * tl.exp(c_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PREC)
+        S = S * tl.exp(c_last) + _mm(tl.trans(k_dec), v_new, LOW, PREC)
     tl.store(s_ptrs, S, mask=smask)
 
 
@@ -268,20 +282,21 @@ def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch
         proj, proj.stride(0), conv_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
         cu_t, slots, has_initial_state, mixed, mixed.stride(0), C,
         K=K, KP=next_pow2(K - 1), BLOCK_T=16, BLOCK_C=BLOCK_C, num_warps=4)
-    prec = "ieee" if proj.dtype == torch.float32 else "tf32"
+    prec = "tf32x3" if proj.dtype == torch.float32 else "tf32"     # tensor cores either way
     BK, BVP = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     cbuf = torch.empty(P, nv, dtype=torch.float32, device=dev)
     wbuf = torch.empty(P, nv, dk, dtype=torch.float32, device=dev)
     ubuf = torch.empty(P, nv, dv, dtype=torch.float32, device=dev)
-    heads = dict(R=nv // nk, KEY_DIM=nk * dk, DK=dk, DV=dv, BK=BK, CH=CHUNK, PREC=prec)
+    heads = dict(R=nv // nk, KEY_DIM=nk * dk, DK=dk, DV=dv, BK=BK, CH=CHUNK)
     _gdn_chunk_prep_kernel[(num_chunks, nv)](
         mixed, mixed.stride(0), proj, proj.stride(0), A_log, dt_bias, chunks_t, cbuf, wbuf, ubuf,
-        C + nv * dv, C + nv * dv + nv, nv, BVP=BVP, **heads, num_warps=8)
+        C + nv * dv, C + nv * dv + nv, nv, BVP=BVP, PREC=prec, **heads, num_warps=8)
     core = torch.empty(P, nv * dv, dtype=proj.dtype, device=dev)
-    BV = min(BVP, 32)
+    BV = 16                     # 182 registers at the 27B shapes with 8 warps (32: spills)
     _gdn_chunk_scan_kernel[(N, nv, triton.cdiv(dv, BV))](
         mixed, mixed.stride(0), cbuf, wbuf, ubuf, ssm_state, ssm_state.stride(0),
         ssm_state.stride(1), ssm_state.stride(2), cu_t, slots, has_initial_state,
-        core, core.stride(0), nv, float(dk) ** -0.5, BV=BV, **heads, num_warps=4)
+        core, core.stride(0), nv, float(dk) ** -0.5, BV=BV, PREC="tf32", **heads,
+        LOW=proj.dtype == torch.bfloat16 and not interpreter_dot_f32(_gdn_chunk_scan_kernel, proj.dtype), num_warps=8, num_stages=1)
     z = proj[:, C:C + nv * dv].view(P, nv, dv)
     return gated_rms_norm(core.view(P, nv, dv), z, norm_weight, eps, proj.dtype).view(P, nv * dv)

@@ -106,6 +106,27 @@ def launch_gdn(s: KernelShapes, dt: torch.dtype, block_vs: tuple = (None,)) -> N
                             block_v=s.dv if bv == "head" else bv)
 
 
+PREFILL_SPANS = ([1], [64, 3], [300, 17, 2])   # one span; a chunk boundary; several spans
+
+
+def launch_gdn_prefill(s: KernelShapes, dt: torch.dtype) -> None:
+    """The prefill path: one specialisation per shape and dtype whatever the spans (cu_seqlens,
+    chunk tables and slots are device arrays; the offsets of the slot slices vary)."""
+    from backboard.ops.triton import gdn_prefill
+    kw = dict(num_k_heads=s.lk, num_v_heads=s.lv, head_k_dim=s.dk, head_v_dim=s.dv, eps=1e-6)
+    conv_state = E(8, s.conv_k - 1, s.conv_dim, dtype=dt)
+    ssm_state = E(8, s.lv, s.dk, s.dv, dtype=torch.float32)
+    for lens in PREFILL_SPANS:
+        N, P = len(lens), sum(lens)
+        cu = [0, *[sum(lens[:i + 1]) for i in range(N)]]
+        for offset in (0, 1):
+            slots = E(offset + N, dtype=torch.int64)[offset:]
+            flags = E(offset + N, dtype=torch.bool)[offset:]
+            gdn_prefill.gdn_prefill(E(P, s.proj_dim, dtype=dt), E(s.conv_dim, s.conv_k, dtype=dt),
+                                    conv_state, E(s.lv, dtype=torch.float32), E(s.lv, dtype=dt),
+                                    E(s.dv, dtype=dt), ssm_state, cu, slots, flags, **kw)
+
+
 def launch_attention(s: KernelShapes, dt: torch.dtype) -> None:
     from backboard.ops.triton import attention
     kv = E(8, s.block_size, s.nkv, s.hd, dtype=dt)
@@ -135,8 +156,8 @@ def launch_quant(s: KernelShapes, dt: torch.dtype, groups: tuple[int, ...] = INT
                 quant_gemm.int4_linear(E(M, K, dtype=dt), packed, scales, G)
 
 
-FAMILIES = {"norm": launch_norms, "gdn": launch_gdn, "attention": launch_attention,
-            "quant": launch_quant}
+FAMILIES = {"norm": launch_norms, "gdn": launch_gdn, "gdn_prefill": launch_gdn_prefill,
+            "attention": launch_attention, "quant": launch_quant}
 
 
 def launch_all(s: KernelShapes, dtypes=DTYPES, families=tuple(FAMILIES), full: bool = True) -> None:
