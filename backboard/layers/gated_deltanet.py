@@ -12,6 +12,7 @@ from torch import nn
 
 from backboard.forward_context import get_forward_context
 from backboard.layers.linear import Linear
+from backboard.layers.rows import join_rows
 from backboard.ops import dispatch
 
 
@@ -38,21 +39,21 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = ctx.caches.conv[self.gdn_idx], ctx.caches.ssm[self.gdn_idx]
         T = x.shape[0]
         proj = self.in_proj(x)                                           # [T, C + nv*dv + 2nv]
-        o = torch.empty(T, self.value_dim, dtype=x.dtype, device=x.device)
+        parts = []                          # outputs in token order (groups, then prefills)
         for grp in meta.groups:
             ts, te, rs, re = grp.tok_start, grp.tok_end, grp.req_start, grp.req_end
             src = meta.state_slots[rs:re]
             # None: every request continues from its state (the usual decode), nothing to zero
             init = None if meta.has_initial_state_cpu[rs:re].all() else meta.has_initial_state[rs:re]
-            o[ts:te] = dispatch.gdn_decode(
+            parts.append((ts, dispatch.gdn_decode(
                 proj[ts:te], self.conv1d_weight, conv_state, self.A_log, self.dt_bias,
                 self.norm_weight, ssm_state, src, grp.dst_slots if grp.dst_slots is not None else src,
                 init, num_k_heads=self.nk, num_v_heads=self.nv, head_k_dim=self.dk,
-                head_v_dim=self.dv, eps=self.eps)
+                head_v_dim=self.dv, eps=self.eps)))
         if meta.num_prefills:
             ps = meta.prefill_tok_start
-            o[ps:] = self._prefill(proj[ps:], conv_state, ssm_state, meta)
-        return self.out_proj(o)
+            parts.append((ps, self._prefill(proj[ps:], conv_state, ssm_state, meta)))
+        return self.out_proj(join_rows(parts, T))
 
     def _prefill(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                  meta) -> torch.Tensor:

@@ -32,6 +32,7 @@ from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
+from backboard.ops.rotary import qk_norm_rope_write_kv_ref
 
 MODES = ("auto", "triton", "torch")
 ENV_VAR = "BACKBOARD_KERNELS"
@@ -184,3 +185,14 @@ def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch
     return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, cu_seqlens,
               slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
+
+
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                          zero_centered: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """See ops.rotary.qk_norm_rope_write_kv_ref: returns rope(norm(q)); writes k, v to the caches."""
+    fn = _kernels("rope").qk_norm_rope_write_kv if use_triton(q) else qk_norm_rope_write_kv_ref
+    return fn(q, k, v, q_weight, k_weight, eps, zero_centered, positions, inv_freq, k_cache,
+              v_cache, slot_mapping)

@@ -48,6 +48,7 @@ BUDGETS = {
     "_int8_linear_kernel": Budget(0, 8),
     "_int4_linear_kernel": Budget(0, 8),
     # prefill: compute-bound tiles (8 warps, one block per SM at the 27B shapes)
+    "_qk_norm_rope_kv_kernel": Budget(0, 16),
     "_gdn_prefill_conv_kernel": Budget(0, 8),
     "_gdn_chunk_prep_kernel": Budget(0, 8),
     "_gdn_chunk_scan_kernel": Budget(0, 8),
