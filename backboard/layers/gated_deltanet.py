@@ -3,7 +3,7 @@
 The four input projections are one joined GEMM: [q | k | v] (the conv channels), z, b, a. The
 short causal conv and the delta rule keep their state in slots: uniform groups (decodes, verify
 rows) take the fused decode op (a Triton kernel on the GPU, its torch reference elsewhere),
-prefill spans the chunked form."""
+prefill spans the chunked form (ops.dispatch.gdn_prefill)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from torch import nn
 
 from backboard.forward_context import get_forward_context
 from backboard.layers.linear import Linear
+from backboard.layers.rows import join_rows
 from backboard.ops import dispatch
-from backboard.ops.conv1d import causal_conv1d_varlen
-from backboard.ops.gdn import gdn_chunked_varlen
-from backboard.ops.gdn.decode import gdn_gates
 
 
 class GatedDeltaNet(nn.Module):
@@ -41,35 +39,27 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = ctx.caches.conv[self.gdn_idx], ctx.caches.ssm[self.gdn_idx]
         T = x.shape[0]
         proj = self.in_proj(x)                                           # [T, C + nv*dv + 2nv]
-        o = torch.empty(T, self.value_dim, dtype=x.dtype, device=x.device)
+        parts = []                          # outputs in token order (groups, then prefills)
         for grp in meta.groups:
             ts, te, rs, re = grp.tok_start, grp.tok_end, grp.req_start, grp.req_end
             src = meta.state_slots[rs:re]
             # None: every request continues from its state (the usual decode), nothing to zero
             init = None if meta.has_initial_state_cpu[rs:re].all() else meta.has_initial_state[rs:re]
-            o[ts:te] = dispatch.gdn_decode(
+            parts.append((ts, dispatch.gdn_decode(
                 proj[ts:te], self.conv1d_weight, conv_state, self.A_log, self.dt_bias,
                 self.norm_weight, ssm_state, src, grp.dst_slots if grp.dst_slots is not None else src,
                 init, num_k_heads=self.nk, num_v_heads=self.nv, head_k_dim=self.dk,
-                head_v_dim=self.dv, eps=self.eps)
+                head_v_dim=self.dv, eps=self.eps)))
         if meta.num_prefills:
             ps = meta.prefill_tok_start
-            o[ps:] = self._prefill(proj[ps:], conv_state, ssm_state, meta)
-        return self.out_proj(o)
+            parts.append((ps, self._prefill(proj[ps:], conv_state, ssm_state, meta)))
+        return self.out_proj(join_rows(parts, T))
 
     def _prefill(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                  meta) -> torch.Tensor:
-        """Prefill spans (chunked form). proj [P, ...] -> [P, nv*dv]."""
-        P = proj.shape[0]
-        qkv, z, b, a = self.in_proj.split(proj)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)                # [P, nv]
-        cu = meta.prefill_cu_seqlens()
-        slots = meta.state_slots[meta.prefill_start:].tolist()
-        init = meta.has_initial_state_cpu[meta.prefill_start:].tolist()
-        mixed = causal_conv1d_varlen(qkv, self.conv1d_weight, conv_state, cu, slots, init)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        core = gdn_chunked_varlen(q.reshape(P, self.nk, self.dk), k.reshape(P, self.nk, self.dk),
-                                  v.reshape(P, self.nv, self.dv), g, beta, ssm_state, cu, slots, init)
-        o = dispatch.gated_rms_norm(core.to(proj.dtype), z.reshape(P, self.nv, self.dv),
-                                    self.norm_weight, self.eps, proj.dtype)
-        return o.reshape(P, self.value_dim)
+        """Prefill spans (the chunked form). proj [P, ...] -> [P, nv*dv]."""
+        return dispatch.gdn_prefill(
+            proj, self.conv1d_weight, conv_state, self.A_log, self.dt_bias, self.norm_weight,
+            ssm_state, meta.prefill_cu_seqlens(), meta.state_slots[meta.prefill_start:],
+            meta.has_initial_state[meta.prefill_start:], num_k_heads=self.nk,
+            num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv, eps=self.eps)

@@ -1,11 +1,13 @@
 """Rotary position embedding, NeoX rotate-half over the first `rotary_dim` dims of each head
 (partial rotary); the remaining dims pass through. For text-only input Qwen3.5's interleaved
-mRoPE reduces exactly to this 1-D RoPE."""
+mRoPE reduces exactly to this 1-D RoPE. The math is in ops/rotary.py."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from backboard.ops.rotary import apply_rotary_ref, rotary_cos_sin_ref
 
 
 class RotaryEmbedding(nn.Module):
@@ -17,16 +19,9 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim] (computed in fp32, cast to dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rotary_cos_sin_ref(positions, self.inv_freq, dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, h, D]; cos/sin [T, rot] -> rotated x."""
-        rot = cos.shape[-1]
-        xr, xp = x[..., :rot], x[..., rot:]
-        half = rot // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        out = xr * cos[:, None, :] + rotated * sin[:, None, :]
-        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+        return apply_rotary_ref(x, cos, sin)

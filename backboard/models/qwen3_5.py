@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from backboard.config import ModelConfig
-from backboard.layers.attention import PagedAttention
+from backboard.layers.attention import PagedAttention, QKNormRope
 from backboard.layers.embedding import LMHead, VocabEmbedding
 from backboard.layers.gated_deltanet import GatedDeltaNet
 from backboard.layers.linear import Linear
@@ -40,8 +40,11 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.nh, self.nkv, self.D, attn_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v, gate = self._project(x, positions)
-        return self._output(self.attn(q, k, v), gate)
+        """x [T, H] -> [T, H]: q / k norms and RoPE run with the cache write (QKNormRope)."""
+        q, k, v, gate = self._split(x)
+        pro = QKNormRope(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                         self.q_norm.zero_centered, self.rotary.inv_freq, positions)
+        return self._output(self.attn(q, k, v, pro), gate)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One whole sequence with plain causal attention and no cache (draft-head training)."""
@@ -51,8 +54,9 @@ class GatedAttention(nn.Module):
             enable_gqa=self.nh != self.nkv)
         return self._output(o.transpose(0, 1), gate)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """-> q [T, nh, D], k/v [T, nkv, D] (normed, rotated), gate [T, nh, D] or None."""
+    def _split(self, x: torch.Tensor):
+        """-> q [T, nh, D], k/v [T, nkv, D] (views of the joined projection, not normed),
+        gate [T, nh, D] or None."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.gated:
@@ -60,11 +64,15 @@ class GatedAttention(nn.Module):
             q, gate = qg[..., :self.D], qg[..., self.D:]
         else:
             q, gate = q.view(T, self.nh, self.D), None
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(T, self.nkv, self.D))
+        return q, k.view(T, self.nkv, self.D), v.view(T, self.nkv, self.D), gate
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """-> q [T, nh, D], k/v [T, nkv, D] (normed, rotated), gate [T, nh, D] or None."""
+        q, k, v, gate = self._split(x)
+        q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        return q.contiguous(), k.contiguous(), v.view(T, self.nkv, self.D), gate
+        return q.contiguous(), k.contiguous(), v, gate
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         T = o.shape[0]

@@ -43,8 +43,10 @@ from backboard.ops.cpu import decode_ops as cpu_ops
 from backboard.ops.cpu import gemm as cpu_gemm
 from backboard.ops.cpu.build import kernels_enabled
 from backboard.ops.gdn.decode import gdn_decode_ref
+from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
+from backboard.ops.rotary import qk_norm_rope_write_kv_ref
 
 logger = logging.getLogger(__name__)
 
@@ -262,3 +264,26 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if (mod := _cpu_gemm(x, packed, scales, group_size=group_size)) is not None:
         return cpu_gemm.int4_linear(x, packed, scales, group_size, mod=mod)
     return int4_linear_ref(x, packed, scales, group_size)
+
+
+def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                ssm_state: torch.Tensor, cu_seqlens: list[int], slots: torch.Tensor,
+                has_initial_state: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
+                head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
+    """See ops.gdn.prefill.gdn_prefill_ref: N prefill spans of proj [P, ...] -> [P, nv*dv]."""
+    fn = _kernels("gdn_prefill").gdn_prefill if use_triton(proj) else gdn_prefill_ref
+    return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, cu_seqlens,
+              slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
+
+
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                          zero_centered: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """See ops.rotary.qk_norm_rope_write_kv_ref: returns rope(norm(q)); writes k, v to the caches."""
+    fn = _kernels("rope").qk_norm_rope_write_kv if use_triton(q) else qk_norm_rope_write_kv_ref
+    return fn(q, k, v, q_weight, k_weight, eps, zero_centered, positions, inv_freq, k_cache,
+              v_cache, slot_mapping)

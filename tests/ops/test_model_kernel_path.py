@@ -40,7 +40,7 @@ def test_kernel_path_matches_torch_path(hybrid_model, monkeypatch):
     orig = dispatch._kernels
     monkeypatch.setattr(dispatch, "_kernels", lambda name: used.add(name) or orig(name))
     got = _mixed_step(FlatBatchDriver(hybrid_model, block_size=8, num_blocks=64, num_slots=16), "triton")
-    assert used >= {"gdn_decode", "attention", "norm", "activation"}, used
+    assert used >= {"gdn_decode", "gdn_prefill", "rope", "attention", "norm", "activation"}, used
     scale = float(ref[0].abs().max())
     assert (got[0] - ref[0]).abs().max() <= 2e-4 * scale
     torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)

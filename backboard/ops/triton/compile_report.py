@@ -47,6 +47,11 @@ BUDGETS = {
     "_silu_mul_kernel": Budget(0, 16),
     "_int8_linear_kernel": Budget(0, 8),
     "_int4_linear_kernel": Budget(0, 8),
+    # prefill: compute-bound tiles (8 warps, one block per SM at the 27B shapes)
+    "_qk_norm_rope_kv_kernel": Budget(0, 16),
+    "_gdn_prefill_conv_kernel": Budget(0, 8),
+    "_gdn_chunk_prep_kernel": Budget(0, 8),
+    "_gdn_chunk_scan_kernel": Budget(0, 8),
 }
 
 
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="27b,tiny", help="comma-separated: 27b, tiny")
     p.add_argument("--arch", default=",".join(map(str, ARCHS)), help="comma-separated: 90, 100")
-    p.add_argument("--families", default=None, help="comma-separated: norm, gdn, attention, quant")
+    p.add_argument("--families", default=None, help="comma-separated: norm, gdn, gdn_prefill, attention, quant")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--ci", action="store_true", help="CI's subset (CI_PLAN, default launches only)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)

@@ -40,6 +40,11 @@ class KernelShapes:
     dv: int
     conv_k: int = 4
     block_size: int = 16
+    rotary_dim: int = 0         # 0: a quarter of the head (Qwen3.5's partial rotary)
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.hd // 4)
 
     @property
     def conv_dim(self) -> int:
@@ -73,10 +78,30 @@ def launch_norms(s: KernelShapes, dt: torch.dtype) -> None:
         q = E(8, s.nh, 2 * s.hd, dtype=dt)[..., :s.hd]                 # the query half of q_proj
         norm.rms_norm(q, E(s.hd, dtype=dt), 1e-6, zc)
         norm.rms_norm(E(8, s.nkv, s.hd, dtype=dt), E(s.hd, dtype=dt), 1e-6, zc)
+    launch_rope(s, dt)
     proj = E(8, s.proj_dim, dtype=dt)
     z = proj[:, s.conv_dim:s.conv_dim + s.lv * s.dv].view(8, s.lv, s.dv)
     norm.gated_rms_norm(E(8, s.lv, s.dv, dtype=dt), z, E(s.dv, dtype=dt), 1e-6, dt)
     activation.silu_mul(E(8, 2 * s.inter, dtype=dt))
+
+
+def launch_rope(s: KernelShapes, dt: torch.dtype) -> None:
+    """The attention prologue as the layer calls it: q the query half of the joined projection,
+    k / v its views; positions and slot_mapping slices of the step's int64 array at offsets that
+    follow T (even and odd T); both norm conventions."""
+    from backboard.ops.triton import rope
+    q_rows, kv = 2 * s.nh * s.hd, s.nkv * s.hd
+    cache = E(8, s.block_size, s.nkv, s.hd, dtype=dt)
+    for T in (1, 4, 7):
+        qkv = E(T, q_rows + 2 * kv, dtype=dt)
+        q = qkv[:, :q_rows].view(T, s.nh, 2 * s.hd)[..., :s.hd]
+        k = qkv[:, q_rows:q_rows + kv].view(T, s.nkv, s.hd)
+        v = qkv[:, q_rows + kv:].view(T, s.nkv, s.hd)
+        i64 = E(4 * T, dtype=torch.int64)
+        for zc in (True, False):
+            rope.qk_norm_rope_write_kv(q, k, v, E(s.hd, dtype=dt), E(s.hd, dtype=dt), 1e-6, zc,
+                                       i64[T:2 * T], E(s.rotary_dim // 2, dtype=torch.float32),
+                                       cache, cache, i64[2 * T:3 * T])
 
 
 def _slots(B: int, L: int, per_position: bool, init: bool, offset: int):
@@ -104,6 +129,27 @@ def launch_gdn(s: KernelShapes, dt: torch.dtype, block_vs: tuple = (None,)) -> N
                             conv_state, E(s.lv, dtype=torch.float32), E(s.lv, dtype=dt),
                             E(s.dv, dtype=dt), ssm_state, src, dst, flags, **kw,
                             block_v=s.dv if bv == "head" else bv)
+
+
+PREFILL_SPANS = ([1], [64, 3], [300, 17, 2])   # one span; a chunk boundary; several spans
+
+
+def launch_gdn_prefill(s: KernelShapes, dt: torch.dtype) -> None:
+    """The prefill path: one specialisation per shape and dtype whatever the spans (cu_seqlens,
+    chunk tables and slots are device arrays; the offsets of the slot slices vary)."""
+    from backboard.ops.triton import gdn_prefill
+    kw = dict(num_k_heads=s.lk, num_v_heads=s.lv, head_k_dim=s.dk, head_v_dim=s.dv, eps=1e-6)
+    conv_state = E(8, s.conv_k - 1, s.conv_dim, dtype=dt)
+    ssm_state = E(8, s.lv, s.dk, s.dv, dtype=torch.float32)
+    for lens in PREFILL_SPANS:
+        N, P = len(lens), sum(lens)
+        cu = [0, *[sum(lens[:i + 1]) for i in range(N)]]
+        for offset in (0, 1):
+            slots = E(offset + N, dtype=torch.int64)[offset:]
+            flags = E(offset + N, dtype=torch.bool)[offset:]
+            gdn_prefill.gdn_prefill(E(P, s.proj_dim, dtype=dt), E(s.conv_dim, s.conv_k, dtype=dt),
+                                    conv_state, E(s.lv, dtype=torch.float32), E(s.lv, dtype=dt),
+                                    E(s.dv, dtype=dt), ssm_state, cu, slots, flags, **kw)
 
 
 def launch_attention(s: KernelShapes, dt: torch.dtype) -> None:
@@ -135,8 +181,8 @@ def launch_quant(s: KernelShapes, dt: torch.dtype, groups: tuple[int, ...] = INT
                 quant_gemm.int4_linear(E(M, K, dtype=dt), packed, scales, G)
 
 
-FAMILIES = {"norm": launch_norms, "gdn": launch_gdn, "attention": launch_attention,
-            "quant": launch_quant}
+FAMILIES = {"norm": launch_norms, "gdn": launch_gdn, "gdn_prefill": launch_gdn_prefill,
+            "attention": launch_attention, "quant": launch_quant}
 
 
 def launch_all(s: KernelShapes, dtypes=DTYPES, families=tuple(FAMILIES), full: bool = True) -> None:
