@@ -272,10 +272,13 @@ def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch
                 has_initial_state: torch.Tensor, *, num_k_heads: int, num_v_heads: int,
                 head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
     """See ops.gdn.prefill.gdn_prefill_ref: N prefill spans of proj [P, ...] -> [P, nv*dv]."""
-    fn = _kernels("gdn_prefill").gdn_prefill if use_triton(proj) else gdn_prefill_ref
-    return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, cu_seqlens,
-              slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
-              head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
+    heads = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
+                 head_v_dim=head_v_dim, eps=eps)
+    args = (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, cu_seqlens, slots,
+            has_initial_state)
+    if use_triton(proj):
+        return _kernels("gdn_prefill").gdn_prefill(*args, **heads)
+    return gdn_prefill_ref(*args, **heads, norm=gated_rms_norm)     # the CPU kernel's norm where built
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

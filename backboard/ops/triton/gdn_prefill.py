@@ -34,8 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from backboard.ops.triton._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor,
-                                          interpreter_dot_f32, next_pow2)
+from backboard.ops.triton._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    interpreter_dot_f32,
+    next_pow2,
+)
 from backboard.ops.triton.norm import gated_rms_norm
 
 CHUNK = 32                  # tokens per chunk (fixed: one compiled variant per model shape)
@@ -297,6 +303,7 @@ def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch
         mixed, mixed.stride(0), cbuf, wbuf, ubuf, ssm_state, ssm_state.stride(0),
         ssm_state.stride(1), ssm_state.stride(2), cu_t, slots, has_initial_state,
         core, core.stride(0), nv, float(dk) ** -0.5, BV=BV, PREC="tf32", **heads,
-        LOW=proj.dtype == torch.bfloat16 and not interpreter_dot_f32(_gdn_chunk_scan_kernel, proj.dtype), num_warps=8, num_stages=1)
+        LOW=proj.dtype == torch.bfloat16 and not interpreter_dot_f32(_gdn_chunk_scan_kernel, proj.dtype),
+        num_warps=8, num_stages=1)
     z = proj[:, C:C + nv * dv].view(P, nv, dv)
     return gated_rms_norm(core.view(P, nv, dv), z, norm_weight, eps, proj.dtype).view(P, nv * dv)
