@@ -66,9 +66,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(len(self.structured))
 
     def has_work(self) -> bool:
-        """Something to step: an unfinished request that is not paused (engine/core_proc.py
-        blocks on its input otherwise)."""
-        return self.scheduler.has_work()
+        """Something to step: an unfinished request that is not paused, or one whose grammar is
+        compiling (engine/core_proc.py blocks on its input otherwise)."""
+        return self.scheduler.has_work() or bool(len(self.structured))
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
