@@ -99,14 +99,17 @@ def _stream_chunks(url: str, max_tokens: int, prompt: str = "interval") -> list[
     return chunks
 
 
-def _wait_running(url: str, n: int = 1, timeout: float = 60) -> None:
+def _wait_running(url: str, n: int = 1, timeout: float = 60, idle: bool = False) -> None:
+    """Until the engine's stats show n requests running (with `idle`: none). The stats come at
+    most every 0.5 s, so a request that just finished can still show as running."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(url + "/metrics", timeout=10).text
         line = next(x for x in text.splitlines() if x.startswith("backboard:num_requests_running"))
-        if float(line.rsplit(" ", 1)[1]) >= n:
+        running = float(line.rsplit(" ", 1)[1])
+        if (running == 0) if idle else (running >= n):
             return
-        assert time.monotonic() < deadline, "requests never showed as running"
+        assert time.monotonic() < deadline, "requests never showed as " + ("done" if idle else "running")
         time.sleep(0.05)
 
 
@@ -122,6 +125,7 @@ def test_stream_interval_and_sigterm_drain(server_factory):
 
     # a long request in flight, then SIGTERM: it completes, new ones get 503, exit 0
     result: dict = {}
+    _wait_running(url, idle=True)                 # the streamed request above is done in the stats
 
     def long_request() -> None:
         r = httpx.post(url + "/v1/completions", timeout=300,
@@ -194,7 +198,10 @@ def test_speculation_metrics_then_engine_death(server_factory):
     streamed = [c for c in _stream_chunks(url, 10, prompt="speculate") if c["choices"]]
     assert "".join(c["choices"][0]["text"] for c in streamed) == whole["choices"][0]["text"]
     assert streamed[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 10
-    assert _metric(url, "backboard:spec_decode_num_drafts_total") > 0
+    deadline = time.monotonic() + 10              # the engine's stats come at most every 0.5 s
+    while _metric(url, "backboard:spec_decode_num_drafts_total") == 0:
+        assert time.monotonic() < deadline, "the speculation counters never moved"
+        time.sleep(0.05)
     assert _metric(url, "backboard:spec_decode_num_draft_tokens_total") >= \
         _metric(url, "backboard:spec_decode_num_drafts_total")
     assert _metric(url, "backboard:spec_decode_num_accepted_tokens_per_pos_total") is not None
