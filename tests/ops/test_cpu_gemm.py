@@ -63,6 +63,25 @@ def test_bf16_weights_match_fp32_reference(mod, M, x_dtype, panel):
     torch.testing.assert_close(y16, (ref + b.bfloat16().float()).bfloat16(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("M", (16, 17, 33, 64, 80))
+def test_bf16_rows_in_lanes_match_the_reference(mod, M):
+    """bf16 x of 16+ rows and even K take the lanes path on AVX512-BF16 (gemm_lanes.h: rows in the
+    vector lanes, a weight pair broadcast): partial row vectors (17, 33, 80), channel tails of
+    every size 1-5 (N = 6 t + r), strided rows, bias, fp32 and bf16 outputs; use_lanes=False (the
+    rows path) gives the same sums. Other levels ignore the flag and must agree as well."""
+    K = 2 * 64 + 2 * mod.VW + 2                         # even, not a whole number of vectors
+    for N in (1, 5, 67, 96):
+        w = torch.randn(N, K).bfloat16()
+        x = torch.randn(M, 2 * K).bfloat16()[:, :K]         # strided rows
+        b = torch.randn(N)
+        ref = _ref_bf16(x, w) + b
+        for lanes in (True, False):
+            _close_fp32(mod.linear_bf16(x, w, b, True, False, lanes), ref)
+            y16 = mod.linear_bf16(x, w, b, False, False, lanes)
+            assert y16.dtype == torch.bfloat16
+            torch.testing.assert_close(y16, ref.bfloat16(), rtol=1e-2, atol=1e-2)
+
+
 def test_bf16_strided_rows_and_batched_shapes(mod):
     w = torch.randn(40, 72).bfloat16()
     x = torch.randn(6, 2 * 72)[:, :72]                   # rows strided, elements contiguous
@@ -72,6 +91,28 @@ def test_bf16_strided_rows_and_batched_shapes(mod):
     assert y.shape == (2, 5, 40) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), _ref_bf16(x3.reshape(10, 72), w).view(2, 5, 40),
                                rtol=1e-2, atol=1e-2)
+
+
+def test_large_outputs_reuse_freed_blocks_without_page_faults(mod):
+    """Outputs of 8 MiB and more (the logits) come from big_alloc.h's cache: a live output is never
+    handed out again, a freed one is reused with its pages still mapped (glibc would map and
+    zero 9,400 fresh pages for each 38 MB output: over its 32 MiB mmap threshold)."""
+    import resource
+
+    w, x = torch.randn(150_000, 32).bfloat16(), torch.randn(64, 32).bfloat16()
+    ref = _ref_bf16(x, w)
+    y1 = mod.linear_bf16(x, w, None, True, False)
+    y2 = mod.linear_bf16(x * 2, w, None, True, False)
+    assert y1.data_ptr() != y2.data_ptr()
+    _close_fp32(y1, ref)                                  # not overwritten by the second call
+    ptr = y1.data_ptr()
+    del y1
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y3 = mod.linear_bf16(x, w, None, True, False)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert y3.data_ptr() == ptr and faults < 64, faults
+    _close_fp32(y3, ref)
+    _close_fp32(y2, 2 * ref)
 
 
 def test_fp32_activations_are_not_rounded_to_bf16(mod):

@@ -5,12 +5,14 @@
 //   W [N, K] as nn.Linear stores it (never repacked: the LM head is tied to the embedding)
 //   y [M, N] fp32 or bf16
 //
-// Two paths, chosen by the caller (backboard/ops/cpu/gemm.py):
+// Three paths, chosen by the caller (backboard/ops/cpu/gemm.py; lanes inside linear_bf16):
 //   rows   decode (small M): each thread owns a range of output channels N; a tile of MB rows of
 //          x by NB channels keeps MB*NB fp32 vector accumulators in registers, so each weight
 //          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16.
+//   lanes  bf16 x with 16+ rows on avx512_bf16 (gemm_lanes.h): rows in the vector lanes, a
+//          weight pair broadcast, no horizontal sums (1.5-1.9x the rows path at 32-64 rows)
 //   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
 //          parallel) and hand it to torch's fp32 GEMM (MKL / oneDNN), so prefill runs at the fp32
 //          matmul rate without a second fp32 copy of the weights.
@@ -23,7 +25,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "big_alloc.h"
 #include "gemm_simd.h"
+#if defined(BB_ISA_AVX512_BF16)
+#include "gemm_lanes.h"
+#endif
 
 namespace bb {
 namespace {
@@ -306,7 +312,7 @@ template <class F>
 at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t N, int64_t K,
                const c10::optional<at::Tensor>& bias, bool out_fp32, bool panel) {
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  at::Tensor y = big::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   at::Tensor b = bias_fp32(bias, N);
   if (M == 0 || N == 0) return y;
   if (panel) {
@@ -320,9 +326,23 @@ at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t
   return y;
 }
 
+#if defined(BB_ISA_AVX512_BF16)
+// bf16 x with at least this many rows takes the lanes path (gemm_lanes.h): from 16 rows on it
+// fills the vector lanes and beats the rows path (benchmarks/cpu_kernels.py)
+constexpr int64_t LANES_MIN_ROWS = 16;
+
+void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
+                int64_t K, const Out& o) {
+  const int64_t mp = (M + lanes::L - 1) / lanes::L * lanes::L;
+  std::vector<uint32_t> xp(size_t(K / 2) * size_t(mp));
+  lanes::pack_x(x, ldx, M, K, xp.data(), mp);
+  lanes::run({xp.data(), mp, w, ldw, M, N, K, o.yf, o.yb, o.ldy, o.bias});
+}
+#endif
+
 // ---- entry points -----------------------------------------------------------------------------
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       bool out_fp32, bool panel) {
+                       bool out_fp32, bool panel, bool use_lanes) {
   check_w(w, at::kBFloat16, "linear_bf16");
   const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K, "linear_bf16");
@@ -330,10 +350,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 #if defined(BB_ISA_AVX512_BF16)
   if (!panel && x.scalar_type() == at::kBFloat16 && x.size(0) > 0 && N > 0) {
     at::Tensor xb = x.stride(1) == 1 ? x : x.contiguous();
-    at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+    at::Tensor y = big::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
     at::Tensor b = bias_fp32(bias, N);
-    rows_path(Bf16Dp{wp, w.stride(0)}, reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
-              xb.stride(0), x.size(0), N, K, make_out(y, b));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    if (x.size(0) >= LANES_MIN_ROWS && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
+      lanes_path(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b));
+    else
+      rows_path(Bf16Dp{wp, w.stride(0)}, xp, xb.stride(0), x.size(0), N, K, make_out(y, b));
     return y;
   }
 #endif
@@ -419,7 +442,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16", &bb::linear_bf16, "x [M,K] @ bf16 W [N,K]^T (+ bias)", "x"_a, "w"_a,
-        "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, nogil);
+        "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, "use_lanes"_a = true, nogil);
   m.def("linear_int8", &bb::linear_int8, "x @ (int8 q [N,K] * scale [N])^T (+ bias)", "x"_a, "q"_a,
         "scale"_a, "bias"_a = py::none(), "out_fp32"_a = true, "panel"_a = false, nogil);
   m.def("linear_int4", &bb::linear_int4, "x @ dequant_int4(packed [N,K/2], scales [N,K/G])^T",

@@ -8,7 +8,10 @@ widened in registers, fp32 accumulation (C++: gemm.cpp; weight formats: ops/quan
 Each function takes `mod=`, the compiled family for one ISA level (`module(isa)`; tests run
 every level the CPU has), and picks the path by the number of rows M (POLICY):
   rows    M <= rows_max: threads over output channels, MB x NB register tiles, each weight byte
-          read once per step for up to MB rows (the decode GEMV / small-M GEMM)
+          read once per step for up to MB rows (the decode GEMV / small-M GEMM); on AVX512-BF16
+          bf16 x of 16 to rows_max rows goes to the lanes kernel (gemm_lanes.h: rows in the
+          vector lanes, no horizontal sums; 375-400 GFLOP/s on 2 Zen 4 cores at 64 rows, where
+          the rows path reached 205 and oneDNN 280-390)
   panel   larger M (prefill): weights widened a panel at a time into fp32 scratch and multiplied
           by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
