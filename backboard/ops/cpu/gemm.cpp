@@ -148,7 +148,8 @@ constexpr int MB = 2, NB = 2, NB1 = 4;
 #endif
 
 // software prefetch of weights PF_TILES tiles ahead, into L2 (into L1 it was slower: the L1 miss
-// buffers fill up; measured on a Zen 4, 2x on the LM head's GEMV)
+// buffers fill up; measured on a Zen 4, 2x on the LM head's GEMV). On another Zen 4 (66 GB/s
+// with 2 cores) distances of 8 to 128 KiB gave the same best-of-18 GEMV rate, 44 GB/s.
 constexpr int PF_TILES = 2;
 inline void prefetch(const void* p) {
 #if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
@@ -327,9 +328,10 @@ at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t
 }
 
 #if defined(BB_ISA_AVX512_BF16)
-// bf16 x with at least this many rows takes the lanes path (gemm_lanes.h): from 16 rows on it
-// fills the vector lanes and beats the rows path (benchmarks/cpu_kernels.py)
-constexpr int64_t LANES_MIN_ROWS = 16;
+// bf16 x takes the lanes path (gemm_lanes.h) from 16 rows on (a full vector of rows), except
+// for long rows at few rows: from K = 2048 the rows path's reductions are amortised and it was
+// ahead up to 32 rows (down_proj 512 x 2048 on a Zen 4: 375-400 GFLOP/s vs 280-375)
+inline bool lanes_pays(int64_t M, int64_t K) { return M >= 16 && (K < 2048 || M >= 48); }
 
 void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
                 int64_t K, const Out& o) {
@@ -353,7 +355,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     at::Tensor y = big::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
     at::Tensor b = bias_fp32(bias, N);
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    if (x.size(0) >= LANES_MIN_ROWS && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
+    if (lanes_pays(x.size(0), K) && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
       lanes_path(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b));
     else
       rows_path(Bf16Dp{wp, w.stride(0)}, xp, xb.stride(0), x.size(0), N, K, make_out(y, b));
