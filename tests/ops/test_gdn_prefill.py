@@ -96,3 +96,23 @@ def test_bad_spans_are_clear_errors():
         gp.gdn_prefill(proj, w, conv, A_log, dt_bias, nw, ssm, [0, 3, 6], slots, flags, **kw)
     with pytest.raises(ValueError, match="slots"):
         gp.gdn_prefill(proj, w, conv, A_log, dt_bias, nw, ssm, cu, slots[:1], flags, **kw)
+
+
+@pytest.mark.parametrize("lens,nk,nv,dk,dv,K,dtype,init", CASES)
+def test_cpu_recurrent_prefill_matches_reference(lens, nk, nv, dk, dv, K, dtype, init, close, monkeypatch):
+    """On the CPU, dispatch runs each span through the C++ decode kernel as one request of L rows
+    (ops/dispatch.py: _gdn_prefill_recurrent): outputs, conv windows and states as the chunked
+    reference, spans shorter than the conv window and fresh slots included."""
+    from backboard.ops import dispatch
+    from backboard.ops.cpu import decode_ops
+
+    assert decode_ops.available(), "the C++ decode ops did not build"
+    args, kw = make_inputs(lens, nk, nv, dk, dv, K, dtype, init)
+    proj, w, conv, A_log, dt_bias, nw, ssm, cu, slots, flags = args
+    c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    ref = gdn_prefill_ref(proj, w, c1, A_log, dt_bias, nw, s1, cu, slots, flags, **kw)
+    monkeypatch.setattr(dispatch, "gdn_prefill_ref", None)      # the kernel path, not the reference
+    out = dispatch.gdn_prefill(proj, w, c2, A_log, dt_bias, nw, s2, cu, slots, flags, **kw)
+    close(out, ref, dtype, **TOL[dtype])
+    close(c2, c1, dtype, rtol=0, atol=0)
+    close(s2, s1, torch.float32, **TOL[dtype])
