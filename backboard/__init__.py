@@ -4,14 +4,17 @@ import os
 
 __version__ = "0.1.0"
 
-# OpenMP threads that wait for work sleep instead of spinning, unless the user chose otherwise. It
+# OpenMP threads that wait for work spin briefly, then sleep, unless the user chose otherwise. It
 # must be set before torch loads its OpenMP runtime, so it lives here. On these 2-core machines the
-# engine shares its cores with the front end and the client: a spinning thread holds a core its
-# partner needs, and every parallel region then waits a whole time slice. Measured on the tiny
-# hybrid with the machine at load 4-5, 16 requests x 100 tokens: 3.4-4.8 s spinning (the
-# default) vs 0.46 s passive, 0.33-0.53 s with one thread (the spread is the noise).
-if "GOMP_SPINCOUNT" not in os.environ:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# engine shares its cores with the front end and the client: GOMP's default spin (300,000 rounds)
+# held a core its partner needed, and every parallel region then waited a whole time slice
+# (tiny hybrid, machine at load 4-5, 16 requests x 100 tokens: 3.4-4.8 s spinning vs 0.46 s
+# passive). Fully passive threads pay a futex wake-up in each of a decode step's ~60 parallel
+# regions instead: one request's TPOT through the server, CPU benchmark checkpoint, 21.8-22.7 ms
+# passive, 17.3-18.8 with 50,000 rounds (about 0.1 ms), 17.4 always spinning.
+SPIN_ROUNDS = "50000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_ROUNDS)
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
