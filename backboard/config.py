@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 # model_type (top level of config.json) -> what it is
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3_5": "Qwen3.5 / Qwen3.6 hybrid, vision-language layout (text_config)",
     "qwen3_5_text": "Qwen3.5 / Qwen3.6 hybrid, text-only layout",
     "qwen3_next": "Qwen3-Next hybrid with mixture-of-experts MLPs",
-    "qwen3": "Qwen3 dense transformer (plain attention)",
+    "qwen3": "Qwen3 dense transformer (plain attention, q/k norm)",
+    "qwen2": "Qwen2 / Qwen2.5 dense transformer (q/k/v bias)",
+    "llama": "Llama dense transformer (Llama 2/3, SmolLM2, ...)",
 }
+# the dense decoders, one config-driven class: q/k norm, biases and tied embeddings as the config says
+DENSE_ARCHITECTURES = ("qwen3", "qwen2", "llama")
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {
@@ -65,6 +69,10 @@ class ModelConfig:
     attn_output_gate: bool
     norm_zero_centered: bool             # Norm0: x_hat * (1 + w) (Qwen3.5 / Next) vs x_hat * w (Qwen3)
     tie_word_embeddings: bool
+    # dense attention variants (the hybrids have q/k norm and no biases)
+    qk_norm: bool = True                 # per-head RMSNorm of q and k (Qwen3, hybrids; not Llama / Qwen2)
+    qkv_bias: bool = False               # q/k/v projections with bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                 # o_proj with bias (Llama's attention_bias)
     # Gated DeltaNet
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -171,7 +179,7 @@ class ModelConfig:
             raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
         num_layers = int(get("num_hidden_layers"))
         layer_types = get("layer_types")
-        hybrid = model_type != "qwen3"
+        hybrid = model_type not in DENSE_ARCHITECTURES
         if layer_types is None:
             if hybrid:
                 interval = int(get("full_attention_interval", 4))
@@ -184,7 +192,7 @@ class ModelConfig:
         if bad:
             raise ConfigError(f"unsupported layer types {bad}; expected linear_attention / full_attention")
         if not hybrid and "linear_attention" in layer_types:
-            raise ConfigError("qwen3 (dense) checkpoints cannot have linear_attention layers")
+            raise ConfigError(f"{model_type} (dense) checkpoints cannot have linear_attention layers")
         head_dim = get("head_dim") or int(get("hidden_size")) // int(get("num_attention_heads"))
         eos = raw.get("eos_token_id", get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
@@ -216,6 +224,7 @@ class ModelConfig:
             attn_output_gate=bool(get("attn_output_gate", hybrid)),
             norm_zero_centered=hybrid,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", get("tie_word_embeddings", False))),
+            **_attention_variant(model_type, get),
             mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             max_model_len=int(max_model_len or max_pos),
@@ -244,6 +253,19 @@ class ModelConfig:
         if kw["num_attention_heads"] % kw["num_key_value_heads"]:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         return cls(**kw)
+
+
+def _attention_variant(model_type: str, get: Callable[..., Any]) -> dict[str, bool]:
+    """q/k norm and biases of the attention layers, as each architecture's config means them."""
+    if get("mlp_bias", False):
+        raise ConfigError(f"{model_type}: mlp_bias=true is not supported (MLPs without bias only)")
+    if model_type == "llama":
+        bias = bool(get("attention_bias", False))
+        return dict(qk_norm=False, qkv_bias=bias, o_bias=bias)
+    if model_type == "qwen2":
+        return dict(qk_norm=False, qkv_bias=True, o_bias=False)
+    bias = bool(get("attention_bias", False))
+    return dict(qk_norm=True, qkv_bias=bias, o_bias=bias)
 
 
 @dataclass(frozen=True)

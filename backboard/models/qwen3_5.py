@@ -24,23 +24,32 @@ from backboard.models.weights import WeightSpec
 
 
 class GatedAttention(nn.Module):
-    """q/k/v joined; q_proj rows interleaved per head as [query D | gate D] when attn_output_gate;
-    per-head q_norm / k_norm, partial RoPE, paged causal attention, out * sigmoid(gate), o_proj."""
+    """q/k/v joined (with bias where cfg.qkv_bias); q_proj rows interleaved per head as
+    [query D | gate D] when attn_output_gate; per-head q_norm / k_norm where cfg.qk_norm, partial
+    RoPE, paged causal attention, out * sigmoid(gate), o_proj. The dense decoders (Qwen3, Qwen2,
+    Llama) are this layer without the gate, and without q/k norm for Qwen2 and Llama."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn_idx: int) -> None:
         super().__init__()
         self.nh, self.nkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated = cfg.attn_output_gate
         q_rows = self.nh * self.D * (2 if self.gated else 1)
-        self.qkv_proj = Linear(cfg.hidden_size, [q_rows, self.nkv * self.D, self.nkv * self.D], dtype)
-        self.o_proj = Linear(self.nh * self.D, cfg.hidden_size, dtype)
-        self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
-        self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
+        self.qkv_proj = Linear(cfg.hidden_size, [q_rows, self.nkv * self.D, self.nkv * self.D], dtype,
+                               bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.D, cfg.hidden_size, dtype, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
         self.rotary = RotaryEmbedding(self.D, cfg.rotary_dim, cfg.rope_theta)
         self.attn = PagedAttention(self.nh, self.nkv, self.D, attn_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]: q / k norms and RoPE run with the cache write (QKNormRope)."""
+        """x [T, H] -> [T, H]: q / k norms and RoPE run with the cache write (QKNormRope); without
+        q / k norm, RoPE runs first and the cache write alone."""
+        if not self.qk_norm:
+            q, k, v, gate = self._project(x, positions)
+            return self._output(self.attn(q, k, v), gate)
         q, k, v, gate = self._split(x)
         pro = QKNormRope(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                          self.q_norm.zero_centered, self.rotary.inv_freq, positions)
@@ -69,7 +78,8 @@ class GatedAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """-> q [T, nh, D], k/v [T, nkv, D] (normed, rotated), gate [T, nh, D] or None."""
         q, k, v, gate = self._split(x)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         return q.contiguous(), k.contiguous(), v, gate
@@ -85,9 +95,13 @@ class GatedAttention(nn.Module):
         q_rows = self.qkv_proj.output_sizes[0]
         H = self.qkv_proj.in_features
         kv = self.nkv * self.D
-        return {f"{dst}.qkv_proj.weight": WeightSpec.cat(
+        specs = {f"{dst}.qkv_proj.weight": WeightSpec.cat(
             [(f"{src}.q_proj.weight", (q_rows, H)), (f"{src}.k_proj.weight", (kv, H)),
              (f"{src}.v_proj.weight", (kv, H))])}
+        if self.qkv_proj.bias is not None:
+            specs[f"{dst}.qkv_proj.bias"] = WeightSpec.cat(
+                [(f"{src}.q_proj.bias", (q_rows,)), (f"{src}.k_proj.bias", (kv,)), (f"{src}.v_proj.bias", (kv,))])
+        return specs
 
 
 class DecoderLayer(nn.Module):

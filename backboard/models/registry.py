@@ -14,6 +14,8 @@ def model_class(cfg: ModelConfig):
         "qwen3_5_text": Qwen3_5ForCausalLM,
         "qwen3_next": Qwen3_5ForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "qwen2": Qwen3ForCausalLM,
+        "llama": Qwen3ForCausalLM,
     }
     if cfg.model_type not in table:
         raise ConfigError(f"unsupported architecture {cfg.model_type!r}; supported: "

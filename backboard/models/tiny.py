@@ -17,7 +17,8 @@ import shutil
 import tempfile
 from typing import Any
 
-ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3")
+ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3", "qwen2", "llama")
+DENSE = ("qwen3", "qwen2", "llama")
 PRESETS = ("tiny", "demo", "small")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -155,8 +156,9 @@ def _text_config(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
                       linear_value_head_dim=128, linear_conv_kernel_dim=4)
     else:
         raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
-    if arch == "qwen3":
-        return dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if arch in DENSE:
+        extra = dict(attention_bias=True, tie_word_embeddings=True) if arch == "llama" else {}
+        return dict(base, **extra, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     cfg = dict(base, **hybrid, full_attention_interval=4, attn_output_gate=True,
                mtp_num_hidden_layers=1,
                rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
@@ -191,10 +193,11 @@ def _hf_model(arch: str, text_cfg: dict[str, Any], eos_id: int, pad_id: int):
         cfg = tf.Qwen3NextConfig(**text_cfg, **common)
         cfg.architectures = ["Qwen3NextForCausalLM"]
         return tf.Qwen3NextForCausalLM(cfg)
-    if arch == "qwen3":
-        cfg = tf.Qwen3Config(**text_cfg, **common)
-        cfg.architectures = ["Qwen3ForCausalLM"]
-        return tf.Qwen3ForCausalLM(cfg)
+    if arch in DENSE:
+        name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[arch]
+        cfg = getattr(tf, f"{name}Config")(**text_cfg, **common)
+        cfg.architectures = [f"{name}ForCausalLM"]
+        return getattr(tf, f"{name}ForCausalLM")(cfg)
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHS}")
 
 
@@ -293,7 +296,7 @@ def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3_5", preset: str = "ti
             max_shard_size = "300KB"  # exercise sharded loading
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kw)
-        if mtp and arch != "qwen3":
+        if mtp and arch not in DENSE:
             sd = _mtp_state_dict(arch, text_cfg, seed)
             _add_mtp_shard(tmp, {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
         for name in os.listdir(tmp):

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import hf_reference
 from tests.models.driver import FlatBatchDriver
 
-ARCHS = ["qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3"]
+ARCHS = ["qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3", "qwen2", "llama"]
 
 
 def _tol(ref: torch.Tensor) -> float:

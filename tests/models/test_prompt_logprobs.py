@@ -14,7 +14,7 @@ import torch
 from backboard import LLM, SamplingParams
 from tests.conftest import hf_reference
 
-ARCHS = ["qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3"]
+ARCHS = ["qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3", "qwen2", "llama"]
 TOL = 2e-3
 NUM_TOP = 3
 

@@ -54,11 +54,25 @@ def test_full_attention_interval_and_layer_types():
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_pretrained(str(tmp_path))
     msg = str(e.value)
-    assert "llama" in msg and all(a in msg for a in ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3"))
+    assert "gpt2" in msg and all(a in msg for a in ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3", "qwen2", "llama"))
+
+
+def test_dense_attention_variants_follow_the_config(tiny_models):
+    """q/k norm and biases as each dense architecture means them: Qwen3 norms q and k, Qwen2 has
+    q/k/v biases and no norm, Llama neither unless attention_bias (the tiny llama sets it: q/k/v
+    and o_proj biases, tied embeddings)."""
+    q3, q2, ll = (ModelConfig.from_pretrained(tiny_models(a)) for a in ("qwen3", "qwen2", "llama"))
+    assert (q3.qk_norm, q3.qkv_bias, q3.o_bias) == (True, False, False)
+    assert (q2.qk_norm, q2.qkv_bias, q2.o_bias) == (False, True, False)
+    assert (ll.qk_norm, ll.qkv_bias, ll.o_bias, ll.tie_word_embeddings) == (False, True, True, True)
+    assert all(not c.is_hybrid and not c.norm_zero_centered for c in (q3, q2, ll))
+    base = json.loads(open(os.path.join(tiny_models("llama"), "config.json")).read())
+    with pytest.raises(ConfigError, match="mlp_bias"):
+        ModelConfig.from_dict(dict(base, mlp_bias=True))
 
 
 def test_not_a_checkpoint(tmp_path):
