@@ -1,4 +1,4 @@
-"""`backboard serve | generate | bench | draft | tiny-model`."""
+"""`backboard serve | generate | bench | draft | tiny-model | convert`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "bench": "backboard.bench.cli",
     "draft": "backboard.spec_decode.cli",
     "tiny-model": "backboard.models.cli",
+    "convert": "backboard.models.convert_cli",
 }
 
 

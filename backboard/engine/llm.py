@@ -15,13 +15,15 @@ from backboard.engine.cpu_threads import set_engine_threads
 from backboard.engine.engine_core import EngineCore
 from backboard.engine.output_processor import InputProcessor, OutputProcessor, ParentRequest, RequestOutput
 from backboard.engine.tokenizer import Tokenizer
+from backboard.models.gguf import resolve_model_path
 from backboard.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **settings: Any) -> None:
-        """`model`: a checkpoint folder; `settings`: the engine settings (the fields of
+        """`model`: a checkpoint folder or a GGUF file; `settings`: the engine settings (the fields of
         backboard.config.EngineArgs: max_num_seqs, max_model_len, dtype, speculative_config, ...)."""
+        model = resolve_model_path(model)         # a GGUF file: its converted folder
         self.config = EngineConfig.create(model, **settings)
         set_engine_threads(self.config)           # in-process: this process computes the steps
         self.tokenizer = Tokenizer(self.config.tokenizer or model)
