@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> the model_type it becomes
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SERVING_DTYPE = "bfloat16"                    # what "auto" serves a converted folder in
+FORMAT = "2"                                  # of the cached folders: bump when conversion changes
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -73,7 +75,8 @@ def check_gguf(path: str) -> str:
 
 
 def convert_gguf(path: str, out_dir: str) -> str:
-    """Write the Hugging Face folder of a GGUF file into out_dir (float32 weights); returns it."""
+    """Write the Hugging Face folder of a GGUF file into out_dir (float32 weights, served in bf16
+    by default); returns it."""
     check_gguf(path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,6 +91,7 @@ def convert_gguf(path: str, out_dir: str) -> str:
         _forget_gguf_quantization(model)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        _serve_in(tmp, SERVING_DTYPE)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -108,10 +112,25 @@ def _forget_gguf_quantization(model) -> None:
         del model.config.quantization_config
 
 
+def _serve_in(folder: str, dtype: str) -> None:
+    """The folder's config names the dtype to serve in ("auto" picks it): the weights stay fp32 (the
+    exact dequantized values, what parity tests load) but a quantized GGUF is served in bf16, as
+    llama.cpp computes it, not at twice the bytes per step."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = dtype
+    cfg.pop("torch_dtype", None)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
 def cached_folder(path: str, cache_dir: str) -> str:
     """Where the conversion of this file (by name, size and modification time) is cached."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(f"{FORMAT}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     stem = os.path.basename(path)[:-len(".gguf")]
     return os.path.join(cache_dir, "gguf", f"{stem}-{key[:12]}")
 

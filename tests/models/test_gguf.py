@@ -44,7 +44,8 @@ def test_converted_folder_is_a_llama_checkpoint(smollm2):
 
     cfg = ModelConfig.from_pretrained(folder)
     assert cfg.model_type == "llama" and cfg.num_hidden_layers == 30 and cfg.vocab_size == 49152
-    assert not cfg.qk_norm and cfg.tie_word_embeddings
+    assert not cfg.qk_norm and cfg.tie_word_embeddings and cfg.dtype == "bfloat16"   # "auto": bf16
+    assert ModelConfig.from_pretrained(folder, dtype="float32").dtype == "float32"
     assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert gguf_mod.resolve_model_path(path, cache_dir=os.path.dirname(os.path.dirname(folder))) == folder
 
