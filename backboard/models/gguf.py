@@ -28,8 +28,7 @@ from backboard.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# GGUF general.architecture -> the model_type it becomes
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = ("llama", "qwen2", "qwen3")     # GGUF general.architecture (= the model_type)
 SERVING_DTYPE = "bfloat16"                    # what "auto" serves a converted folder in
 FORMAT = "2"                                  # of the cached folders: bump when conversion changes
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -95,8 +94,6 @@ def convert_gguf(path: str, out_dir: str) -> str:
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    except ConfigError:
-        raise
     except Exception as e:  # noqa: BLE001 - a conversion failure stops start-up with one line
         raise ConfigError(f"could not convert {path} ({type(e).__name__}: {e})") from e
     finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backboard.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from backboard.config import DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 
 
 def model_class(cfg: ModelConfig):
@@ -13,9 +13,7 @@ def model_class(cfg: ModelConfig):
         "qwen3_5": Qwen3_5ForCausalLM,
         "qwen3_5_text": Qwen3_5ForCausalLM,
         "qwen3_next": Qwen3_5ForCausalLM,
-        "qwen3": Qwen3ForCausalLM,
-        "qwen2": Qwen3ForCausalLM,
-        "llama": Qwen3ForCausalLM,
+        **dict.fromkeys(DENSE_ARCHITECTURES, Qwen3ForCausalLM),     # one config-driven dense class
     }
     if cfg.model_type not in table:
         raise ConfigError(f"unsupported architecture {cfg.model_type!r}; supported: "

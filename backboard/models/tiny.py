@@ -17,8 +17,9 @@ import shutil
 import tempfile
 from typing import Any
 
-ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3", "qwen2", "llama")
-DENSE = ("qwen3", "qwen2", "llama")
+from backboard.config import DENSE_ARCHITECTURES as DENSE
+
+ARCHS = ("qwen3_5", "qwen3_5_text", "qwen3_next", *DENSE)
 PRESETS = ("tiny", "demo", "small")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]

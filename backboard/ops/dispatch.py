@@ -171,6 +171,13 @@ def _kernels(name: str):
 
 
 # ---- dispatching entry points (same signatures as the references) -----------------------------
+def _cpu_gdn(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+             norm_weight: torch.Tensor) -> bool:
+    """Whether the C++ GDN kernel runs: its tensors in one dtype and the decode ops usable."""
+    same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
+    return same and use_cpu_decode_ops(proj)
+
+
 def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
                ssm_state: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -180,8 +187,7 @@ def gdn_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
     if use_triton(proj):
         fn = _kernels("gdn_decode").gdn_decode
     else:
-        same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
-        fn = cpu_ops.gdn_decode if same and use_cpu_decode_ops(proj) else gdn_decode_ref
+        fn = cpu_ops.gdn_decode if _cpu_gdn(proj, conv_weight, conv_state, norm_weight) else gdn_decode_ref
     return fn(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, ssm_state, src_slots,
               dst_slots, has_initial_state, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, eps=eps)
@@ -278,8 +284,7 @@ def gdn_prefill(proj: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch
             has_initial_state)
     if use_triton(proj):
         return _kernels("gdn_prefill").gdn_prefill(*args, **heads)
-    same = conv_weight.dtype == conv_state.dtype == norm_weight.dtype == proj.dtype
-    if same and use_cpu_decode_ops(proj):
+    if _cpu_gdn(proj, conv_weight, conv_state, norm_weight):
         return _gdn_prefill_recurrent(*args, **heads)
     return gdn_prefill_ref(*args, **heads, norm=gated_rms_norm)     # the CPU kernel's norm where built
 

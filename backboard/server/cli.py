@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+from typing import NamedTuple
 
 from backboard.config import ConfigError
 from backboard.engine.cli import add_engine_args, engine_kwargs
@@ -69,17 +70,24 @@ class StartupError(Exception):
 
 DEMOS = ("smollm2", "hybrid")
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+HYBRID_DEMO_NAME = "backboard-demo"
 
 
-def resolve_model(model: str | None, demo: str = "smollm2") -> tuple[str, str]:
-    """MODEL -> (local folder, a line saying where it came from); no MODEL: the demo."""
+class ResolvedModel(NamedTuple):
+    path: str          # the local folder the engine loads
+    where: str         # a line saying where it came from
+    name: str          # the name clients use unless --served-model-name says otherwise
+
+
+def resolve_model(model: str | None, demo: str = "smollm2") -> ResolvedModel:
+    """MODEL -> the folder to load; no MODEL: the demo."""
     if model is None:
         return _demo_model(demo)
     if is_gguf(model):
         path = resolve_model_path(model)
-        return path, f"serving {model} (converted to {path})"
+        return ResolvedModel(path, f"serving {model} (converted to {path})", model)
     if os.path.exists(model) or not _HUB_ID.match(model):
-        return model, f"serving {model}"
+        return ResolvedModel(model, f"serving {model}", model)
     try:
         from huggingface_hub import snapshot_download
 
@@ -88,10 +96,10 @@ def resolve_model(model: str | None, demo: str = "smollm2") -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - any hub failure ends start-up with one line
         raise StartupError(f"could not download model {model!r} from the Hugging Face hub "
                            f"({type(e).__name__}); pass a local checkpoint folder instead") from e
-    return path, f"serving {model} (hub snapshot at {path})"
+    return ResolvedModel(path, f"serving {model} (hub snapshot at {path})", model)
 
 
-def _demo_model(demo: str) -> tuple[str, str]:
+def _demo_model(demo: str) -> ResolvedModel:
     """SmolLM2 (fetched and converted once), or the hybrid demo when asked or when offline."""
     from backboard.models.tiny import ensure_demo_model
 
@@ -101,12 +109,13 @@ def _demo_model(demo: str) -> tuple[str, str]:
 
         try:
             path = resolve_model_path(fetch_smollm2())
-            return path, f"no MODEL given: serving {SMOLLM2_NAME} (converted at {path})"
+            return ResolvedModel(path, f"no MODEL given: serving {SMOLLM2_NAME} (converted at {path})",
+                                 SMOLLM2_NAME)
         except ConfigError as e:
             note = f"could not fetch {SMOLLM2_NAME} ({e}); "
     path, built = ensure_demo_model()
-    return path, (f"no MODEL given: {note}serving the built-in random-weight hybrid demo at {path} "
-                  f"({'built now' if built else 'cached'}; it answers in noise)")
+    return ResolvedModel(path, f"no MODEL given: {note}serving the built-in random-weight hybrid demo at "
+                         f"{path} ({'built now' if built else 'cached'}; it answers in noise)", HYBRID_DEMO_NAME)
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
@@ -130,15 +139,11 @@ def run(args: argparse.Namespace) -> int:
             EngineAddresses.parse(args.engine_address)     # a bad address stops start-up here
         limits = ServerLimits(**limit_kwargs(args))
         limits.resolve(1)                                  # a bad limit stops start-up here
-        path, where = resolve_model(args.model, args.demo)
-        log.info(where)
-        served = (args.served_model_name or [None])[0]
-        if served is None and args.model and is_gguf(args.model):
-            served = args.model                            # the name the user gave, not the cache folder
-        if served is None and args.model is None and SMOLLM2_NAME in where:
-            served = SMOLLM2_NAME
-        cfg = EngineConfig.create(path, served_model_name=served, **engine_kwargs(args))
-        tokenizer = Tokenizer(args.tokenizer or path)
+        model = resolve_model(args.model, args.demo)
+        log.info(model.where)
+        names = tuple(args.served_model_name or [model.name])
+        cfg = EngineConfig.create(model.path, served_model_name=names[0], **engine_kwargs(args))
+        tokenizer = Tokenizer(args.tokenizer or model.path)
         from backboard.server.api import output_parsers
 
         output_parsers(args.reasoning_parser, args.tool_call_parser, tokenizer)   # unknown names stop here
@@ -148,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
 
     from backboard.server.launcher import ServeOptions, serve
 
-    names = tuple(args.served_model_name or [served or args.model or "backboard-demo"])
     opts = ServeOptions(host=args.host, port=args.port, served_names=names, api_key=api_key_of(args),
                         stream_interval=args.stream_interval, log_level=args.log_level,
                         access_log=args.access_log, drain_timeout_s=args.drain_timeout,

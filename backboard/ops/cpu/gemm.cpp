@@ -336,7 +336,7 @@ inline bool lanes_pays(int64_t M, int64_t K) { return M >= 16 && (K < 2048 || M 
 void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
                 int64_t K, const Out& o) {
   const int64_t mp = (M + lanes::L - 1) / lanes::L * lanes::L;
-  std::vector<uint32_t> xp(size_t(K / 2) * size_t(mp));
+  std::vector<uint32_t> xp(size_t(K / 2) * size_t(mp));            // zeroed: the padding rows
   lanes::pack_x(x, ldx, M, K, xp.data(), mp);
   lanes::run({xp.data(), mp, w, ldw, M, N, K, o.yf, o.yb, o.ldy, o.bias});
 }

@@ -10,7 +10,7 @@
 // xp [K/2][Mp] (Mp = M rounded up to 16; lane m of pair kp holds x[m][2kp], x[m][2kp+1]) and a
 // weight pair is broadcast to all lanes: VDPBF16PS then adds, for 16 rows at once, the two
 // products of one K pair of one channel. Accumulators hold 16 outputs each and need no reduction;
-// weights stream once per 16 * TV rows, read 4 bytes at a time straight from their rows.
+// weights stream once per 64 rows (a 4 x 6 tile), read 4 bytes at a time straight from their rows.
 #pragma once
 
 #include <immintrin.h>
@@ -36,9 +36,8 @@ inline uint32_t pair_at(const uint16_t* p) {
   return v;
 }
 
-// xp[kp][m] = the bf16 pair x[m][2kp .. 2kp+1] (zero for the padding rows m >= M)
+// xp[kp][m] = the bf16 pair x[m][2kp .. 2kp+1]; xp comes zeroed (the padding rows m >= M stay 0)
 inline void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xp, int64_t mp) {
-  std::memset(xp, 0, sizeof(uint32_t) * (K / 2) * mp);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t kp = 0; kp < K / 2; ++kp) xp[kp * mp + m] = pair_at(x + m * ldx + 2 * kp);
 }
