@@ -19,6 +19,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from backboard.ops import dispatch
+
 
 @dataclass
 class UniformGroup:
@@ -99,7 +101,8 @@ def set_forward_context(meta: ForwardMeta, caches: ModelCaches) -> Iterator[Forw
         raise RuntimeError("forward contexts do not nest")
     _CURRENT = ForwardContext(meta, caches)
     try:
-        yield _CURRENT
+        with dispatch.fixed_selection():         # kernel choices read once per forward
+            yield _CURRENT
     finally:
         _CURRENT = None
 

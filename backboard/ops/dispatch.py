@@ -4,7 +4,10 @@ the CPU, or the torch reference.
 Every entry point here has the signature of its torch reference and returns the same thing, so a
 layer calls `dispatch.x(...)` and never needs to know which one ran.
 
-Selection (`use_triton(*tensors)`), read at every call:
+Selection (`use_triton(*tensors)`), read at every call outside a forward; inside one
+(`fixed_selection()`, entered by forward_context.set_forward_context) the environment is read
+once at its start, so a decode step's ~60 kernel calls do not each read it again (266 os.environ
+lookups a step on the CPU benchmark checkpoint before):
   BACKBOARD_KERNELS=torch   always the torch reference
   BACKBOARD_KERNELS=triton  always the Triton kernel; raises if triton cannot be imported, or if
                             the tensors are not on CUDA and TRITON_INTERPRET=1 is not set (the
@@ -28,10 +31,12 @@ CPU install): the probe and the kernel modules are imported on first use.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
 import time
+from types import ModuleType
 from typing import Iterator
 
 import torch
@@ -57,11 +62,51 @@ _override: str | None = None
 _triton_ok: bool | None = None          # cached result of the import probe
 
 
+class Selection:
+    """What the environment says, read once: the mode, whether the C++ CPU kernels may run, and
+    their compiled families (None: not built), looked up on first use (a GPU forward never
+    builds the CPU kernels)."""
+
+    def __init__(self) -> None:
+        self.mode = _env_mode()
+        self.cpu_kernels = kernels_enabled()
+
+    @functools.cached_property
+    def gemm(self) -> ModuleType | None:
+        return cpu_gemm.module() if self.cpu_kernels else None
+
+    @functools.cached_property
+    def decode_ops(self) -> ModuleType | None:
+        return cpu_ops.kernels() if self.cpu_kernels else None
+
+
+_fixed: Selection | None = None         # set for the duration of a forward
+
+
 # ---- selection ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fixed_selection() -> Iterator[Selection]:
+    """Read the environment once for this scope (a forward); nested scopes keep the outer one."""
+    global _fixed
+    if _fixed is not None:
+        yield _fixed
+        return
+    _fixed = Selection()
+    try:
+        yield _fixed
+    finally:
+        _fixed = None
+
+
 def kernel_mode() -> str:
-    """The mode in force: the innermost override(), else $BACKBOARD_KERNELS, else "auto"."""
+    """The mode in force: the innermost override(), else $BACKBOARD_KERNELS (as read at the start
+    of the forward, inside one), else "auto"."""
     if _override is not None:
         return _override
+    return _fixed.mode if _fixed is not None else _env_mode()
+
+
+def _env_mode() -> str:
     mode = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: expected one of {', '.join(MODES)}")
@@ -127,8 +172,9 @@ def override(mode: str) -> Iterator[None]:
 def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     """Whether a C++ CPU kernel may run for these tensors: auto mode, all on the CPU, kernels not
     turned off. The caller still needs its family to have built (its module is not None)."""
-    return (kernel_mode() == "auto" and bool(tensors) and all(t.is_cpu for t in tensors)
-            and kernels_enabled())
+    if kernel_mode() != "auto" or not tensors or not all(t.is_cpu for t in tensors):
+        return False
+    return _fixed.cpu_kernels if _fixed is not None else kernels_enabled()
 
 
 def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -139,7 +185,7 @@ def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
         return False
-    return cpu_ops.available()
+    return (_fixed.decode_ops if _fixed is not None else cpu_ops.kernels()) is not None
 
 
 def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
@@ -161,7 +207,7 @@ def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = 
     """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
     if not use_cpu_kernels(x, *weights):
         return None
-    mod = cpu_gemm.module()
+    mod = _fixed.gemm if _fixed is not None else cpu_gemm.module()
     return mod if mod is not None and cpu_gemm.supports(x, *weights, group_size=group_size, mod=mod) else None
 
 

@@ -57,3 +57,35 @@ def test_torch_mode_never_calls_the_cpu_kernels(hybrid_model, monkeypatch):
     logits = _mixed_step(_driver(hybrid_model, "float32"), "torch")[0]
     assert torch.isfinite(logits).all()
     assert dispatch.use_cpu_decode_ops(torch.zeros(1)) is False
+
+
+def test_a_forward_reads_the_kernel_settings_once(hybrid_model, monkeypatch):
+    """Kernel selection reads the environment once per forward, not at each of its kernel calls
+    (266 os.environ lookups a decode step on the CPU benchmark checkpoint did cost ~0.3 ms); a
+    change made during a forward applies from the next one."""
+    import os
+
+    counts: dict[str, int] = {}
+    orig = type(os.environ).__getitem__
+
+    def counting(self, key):
+        counts[key] = counts.get(key, 0) + 1
+        return orig(self, key)
+
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    d = _driver(hybrid_model, "bfloat16")
+    _mixed_step(d, "auto")                                  # builds, warms up
+    monkeypatch.setattr(type(os.environ), "__getitem__", counting)
+    from backboard.forward_context import set_forward_context
+    from backboard.worker.input_batch import BatchRequest, prepare_batch
+
+    r = d.reqs[0]
+    pb = prepare_batch([BatchRequest(torch.tensor([3]).numpy(), r["computed"], list(r["blocks"]), r["slot"])],
+                       d.block_size)
+    with torch.no_grad(), set_forward_context(pb.meta, d.caches):
+        d.model.compute_logits(d.model(pb.input_ids, pb.meta.positions))
+        reads = sum(counts.get(k, 0) for k in ("BACKBOARD_KERNELS", "BACKBOARD_CPU_KERNELS"))
+        monkeypatch.setenv("BACKBOARD_KERNELS", "torch")    # mid-forward: not seen inside it
+        assert dispatch.kernel_mode() == "auto"
+    assert dispatch.kernel_mode() == "torch"
+    assert reads <= 2, counts
