@@ -310,7 +310,8 @@ def test_cpu_preset_definition(tmp_path):
     assert vl.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     largs = " ".join(lc.argv)
     assert "-t 2 -tb 2" in largs and "-np 64" in largs and f"-c {64 * 1108}" in largs
-    assert "--no-cache-prompt" in largs and "--no-enable-prefix-caching" in vl.argv
+    assert "--no-cache-prompt" in largs     # no prompt reuse in any engine: random prompts, same config
+    assert "--no-enable-prefix-caching" in vl.argv and "--no-enable-prefix-caching" in bb.argv
     for t in cfg.targets:
         assert t.base_url.split(":")[-1] in " ".join(t.argv)
     assert vl.env["PYTHONPATH"] == os.path.join(venv, "stubs")
