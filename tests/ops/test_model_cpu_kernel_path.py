@@ -16,7 +16,8 @@ from tests.ops.cpu_isas import built
 from tests.ops.test_model_kernel_path import _mixed_step
 
 # gated_rms_norm is not among them: GDN prefill spans run through gdn_decode (its norm inside)
-OPS = ("gdn_decode", "paged_attention_decode", "rms_norm", "fused_add_rms_norm", "silu_mul")
+OPS = ("gdn_decode", "paged_attention_decode", "rms_norm", "fused_add_rms_norm", "silu_mul",
+       "qk_norm_rope_write_kv")
 # bf16: the two paths round differently inside the fused ops (one-ulp flips) and the differences
 # grow over 8 layers; fp32 agrees to float rounding
 TOL = {"float32": 5e-5, "bfloat16": 5e-2}

@@ -1,12 +1,13 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
 // the GDN decode / verify step, paged decode attention, RMSNorm (+ residual), the GDN gated
-// norm and SiLU-mul. Each has the signature of its torch reference (the Python wrapper
+// norm, SiLU-mul and the attention prologue (q / k norm, RoPE, K/V cache write). Each has the signature of its torch reference (the Python wrapper
 // backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
 #include <torch/csrc/utils/pybind.h>
 
 #include "gdn_decode.h"
 #include "norm_act.h"
 #include "paged_attention.h"
+#include "rope.h"
 
 namespace {
 
@@ -39,4 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &bb::fused_add_rms_norm, "residual add + RMSNorm (see ops.norm.fused_add_rms_norm_ref)");
   m.def("gated_rms_norm", &bb::gated_rms_norm, "GDN output norm (see ops.norm.gated_rms_norm)");
   m.def("silu_mul", &bb::silu_mul, "silu(gate) * up (see ops.activation.silu_mul_ref)");
+  m.def("qk_norm_rope_write_kv", &bb::qk_norm_rope_write_kv,
+        "q / k RMSNorm + RoPE + K/V cache write (see ops.rotary.qk_norm_rope_write_kv_ref)");
 }

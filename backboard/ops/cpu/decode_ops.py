@@ -1,6 +1,7 @@
 """The fused CPU decode ops (C++ in this folder: decode_ops.cpp and its headers), one call each
 where the torch references take several: the GDN decode / verify step, paged decode attention,
-RMSNorm (plain, Norm0, with the residual add), the GDN gated output norm and SiLU-mul.
+RMSNorm (plain, Norm0, with the residual add), the GDN gated output norm, SiLU-mul and the
+attention prologue (q / k norm, RoPE, K/V cache write).
 
 Every function has the signature of its torch reference and returns the same thing (to the
 rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
@@ -11,6 +12,7 @@ rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
     ops.norm.fused_add_rms_norm_ref            -> fused_add_rms_norm
     ops.norm.gated_rms_norm_ref                -> gated_rms_norm
     ops.activation.silu_mul_ref                -> silu_mul
+    ops.rotary.qk_norm_rope_write_kv_ref       -> qk_norm_rope_write_kv
 
 The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
 this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
@@ -103,3 +105,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def silu_mul(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """See ops.activation.silu_mul_ref: [..., 2I] -> [..., I]."""
     return _mod(isa).silu_mul(x)
+
+
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, eps: float, zero_centered: bool,
+                          positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                          isa: str | None = None) -> torch.Tensor:
+    """See ops.rotary.qk_norm_rope_write_kv_ref: q [T, nh, D], k / v [T, nkv, D] -> rope(norm(q))
+    [T, nh, D]; rope(norm(k)) and v written to the caches at slot_mapping [T]."""
+    return _mod(isa).qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, zero_centered, positions,
+                                           inv_freq, k_cache, v_cache, slot_mapping)
