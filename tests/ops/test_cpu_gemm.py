@@ -63,6 +63,19 @@ def test_bf16_weights_match_fp32_reference(mod, M, x_dtype, panel):
     torch.testing.assert_close(y16, (ref + b.bfloat16().float()).bfloat16(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+def test_one_row_gemv_over_long_rows(mod, x_dtype):
+    """M = 1 reads each channel start to end with four accumulators along K (gemv): rows long
+    enough for several unrolled steps plus a vector and a scalar tail, a partial block of 8
+    channels, for bf16 and int8 weights."""
+    N, K = 67, 8 * 4 * mod.VW + 2 * mod.VW + 3
+    x = torch.randn(1, K).to(x_dtype)
+    w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+    _close_fp32(mod.linear_bf16(x, w, b, True, False), _ref_bf16(x, w) + b)
+    q, s = quant.quantize_int8(torch.randn(N, K))
+    _close_fp32(mod.linear_int8(x, q, s, None, True, False), quant.int8_linear_ref(x.float(), q, s))
+
+
 @pytest.mark.parametrize("M", (16, 17, 33, 64, 80))
 def test_bf16_rows_in_lanes_match_the_reference(mod, M):
     """bf16 x of 16+ rows and even K take the lanes path on AVX512-BF16 (gemm_lanes.h: rows in the

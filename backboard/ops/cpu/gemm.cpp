@@ -10,7 +10,8 @@
 //          x by NB channels keeps MB*NB fp32 vector accumulators in registers, so each weight
 //          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
-//          products, fp32 accumulation); an fp32 x is never rounded to bf16.
+//          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
+//          reads its channels one after another instead (gemv: a single address-order stream).
 //   lanes  bf16 x with 16+ rows on avx512_bf16 (gemm_lanes.h): rows in the vector lanes, a
 //          weight pair broadcast, no horizontal sums (1.5-1.9x the rows path at 32-64 rows)
 //   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
@@ -138,13 +139,13 @@ struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16P
 
 // ---- register tiles ---------------------------------------------------------------------------
 // MB x NB for M >= 2 (accumulators + NB * NV weight vectors + one x vector fit the registers);
-// 1 x NB1 for one row, where more channels side by side keep more loads in flight
+// one row goes to gemv below
 #if defined(BB_SIMD_AVX512)
-constexpr int MB = 4, NB = 4, NB1 = 8;   // 16 + 8 + 1 of 32 registers
+constexpr int MB = 4, NB = 4;   // 16 + 8 + 1 of 32 registers
 #elif defined(BB_SIMD_AVX2)
-constexpr int MB = 4, NB = 2, NB1 = 4;   // 8 + 4 + 1 of 16 registers (2 x 4 is as fast, 1.1x slower at M = 1)
+constexpr int MB = 4, NB = 2;   // 8 + 4 + 1 of 16 registers (2 x 4 is as fast)
 #else
-constexpr int MB = 2, NB = 2, NB1 = 4;
+constexpr int MB = 2, NB = 2;
 #endif
 
 // software prefetch of weights PF_TILES tiles ahead, into L2 (into L1 it was slower: the L1 miss
@@ -204,6 +205,74 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
     }
 }
 
+// One row of x (the decode GEMV): TN channels one after another, each read start to end with U
+// accumulators along K, so the weights stream in address order. The 1 x 8 tile, which reads 8
+// channels side by side, ran the LM head's GEMV at 0.55-0.75x this order's rate on a Zen 4 (the
+// prefetchers follow one stream, not eight 1 KiB rows interleaved), and at M = 1 it was slower
+// than the 4 x 4 tile at M = 4.
+constexpr int GEMV_U = 4;
+constexpr std::ptrdiff_t GEMV_PF_BYTES = 2048;     // software prefetch distance along the stream
+
+// acc + w(n, k ..) . x(k ..): one STEP of channel n
+template <class F>
+inline VF gemv_step(const F& f, const typename F::XT* x, int64_t n, int64_t k, VF acc) {
+  typename F::WV w[F::NV];
+  f.load(n, k, w);
+  for (int v = 0; v < F::NV; ++v) acc = F::fma(acc, w[v], F::loadx(x + k + v * F::XLANES));
+  return acc;
+}
+
+template <class F>
+inline VF gemv_channel(const F& f, const typename F::XT* x, int64_t n, int64_t kv) {
+  constexpr int64_t S = F::STEP;
+  VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  int64_t k = 0;
+  for (; k + GEMV_U * S <= kv; k += GEMV_U * S) {
+    const char* p = static_cast<const char*>(f.at(n, k)) + GEMV_PF_BYTES;
+    const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k + GEMV_U * S)) -
+                                static_cast<const char*>(f.at(n, k));
+    for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + b);
+    a0 = gemv_step(f, x, n, k, a0);
+    a1 = gemv_step(f, x, n, k + S, a1);
+    a2 = gemv_step(f, x, n, k + 2 * S, a2);
+    a3 = gemv_step(f, x, n, k + 3 * S, a3);
+  }
+  for (; k < kv; k += S) a0 = gemv_step(f, x, n, k, a0);
+  return vadd(vadd(a0, a1), vadd(a2, a3));
+}
+
+template <class F, int TN>
+inline void gemv_block(const F& f, const typename F::XT* x, int64_t n0, int64_t K, int64_t kv, const Out& o) {
+  static_assert(GEMV_U == 4, "gemv_channel sums four accumulators");
+  VF acc[TN];
+  for (int j = 0; j < TN; ++j) acc[j] = gemv_channel(f, x, n0 + j, kv);
+  float sums[TN];
+  if constexpr (TN == 8) vsum_8(acc, sums);
+  else for (int j = 0; j < TN; ++j) sums[j] = vsum(acc[j]);
+  for (int j = 0; j < TN; ++j) {
+    const int64_t n = n0 + j;
+    float s = sums[j];
+    for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(x[k]);
+    s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
+    if (o.yf) o.yf[n] = s;
+    else o.yb[n] = f32_to_bf16(s);
+  }
+}
+
+template <class F>
+void gemv(const F& f, const typename F::XT* x, int64_t N, int64_t K, const Out& o) {
+  constexpr int TN = 8;
+  const int64_t kv = f.vector_k(K), nblocks = (N + TN - 1) / TN;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * TN;
+      if (n0 + TN <= N) gemv_block<F, TN>(f, x, n0, K, kv, o);
+      else for (int64_t n = n0; n < N; ++n) gemv_block<F, 1>(f, x, n, K, kv, o);
+    }
+  });
+}
+
 // a tile of mb <= TM rows (the M tail picks the largest instance that fits)
 template <class F, int TM, int TN>
 inline void tile_rows(const F& f, int mb, const typename F::XT* x, int64_t ldx, int64_t m0,
@@ -239,7 +308,7 @@ void rows_tiled(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int
 template <class F>
 void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const Out& o) {
-  if (M == 1) rows_tiled<F, 1, NB1>(f, x, ldx, M, N, K, o);
+  if (M == 1) gemv(f, x, N, K, o);
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
