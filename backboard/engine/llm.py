@@ -78,6 +78,16 @@ class LLM:
                       "prefix_cache_checkpoints": s.prefix_cache_checkpoints})
         return d
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op with TP = 1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (KV blocks and state checkpoints)."""
         self.engine.reset_prefix_cache()
