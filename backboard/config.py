@@ -338,6 +338,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    data_parallel_rank: int = 0             # which engine this is (set per engine, not a setting)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -450,8 +451,8 @@ class EngineArgs:
     enforce_eager: bool = _setting(False, "no CUDA graphs")
     cpu_threads: int | None = _setting(
         None, "CPU: compute threads of the engine, per tensor-parallel rank (default: every core this process "
-              "may run on divided by --tensor-parallel-size, or $OMP_NUM_THREADS; the HTTP front end keeps one "
-              "torch thread)")
+              "may run on divided by --tensor-parallel-size x --data-parallel-size, or $OMP_NUM_THREADS; the "
+              "HTTP front end keeps one torch thread)")
     enable_prefix_caching: bool = _setting(
         True, "reuse the KV blocks and GDN states of prefixes seen before (--no-enable-prefix-caching: off)")
     prefix_cache_checkpoint_interval: int = _setting(

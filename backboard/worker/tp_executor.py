@@ -36,8 +36,11 @@ def free_tcp_address(host: str = "127.0.0.1") -> str:
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
-    """A rank's config: its own GPU (cuda:rank) on CUDA, the same CPU otherwise."""
-    return replace(cfg, device=f"cuda:{rank}") if cfg.device.startswith("cuda") else cfg
+    """A rank's config: its own GPU on CUDA (the engine's first GPU + rank), the same CPU otherwise."""
+    if not cfg.device.startswith("cuda"):
+        return cfg
+    first = int(cfg.device.partition(":")[2] or 0)
+    return replace(cfg, device=f"cuda:{first + rank}")
 
 
 class MultiprocTPWorkers:
