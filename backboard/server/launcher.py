@@ -169,6 +169,8 @@ def bind(host: str, port: int) -> socket.socket:
 async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.socket) -> int:
     names = list(opts.served_names) or [cfg.model.path]
     metrics = ServerMetrics(names[0], cfg.num_spec_tokens)
+    if cfg.parallel.data_parallel_size > 1:
+        metrics.add_engines(cfg.parallel.data_parallel_size)
     engine = engine_client(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
                            on_finished=metrics.observe_finished, addresses=opts.engine_address,
                            on_pause=metrics.observe_pause, on_engine_stats=metrics.update_engine_replica)

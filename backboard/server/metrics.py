@@ -178,6 +178,13 @@ class ServerMetrics:
                 self.spec_per_pos.labels(name, str(pos)).inc(a - b)
         self._last = st
 
+    def add_engines(self, n: int) -> None:
+        """Export every data-parallel engine's gauges (at 0) before its first stats."""
+        for i in range(n):
+            for g in (self.engine_running, self.engine_waiting, self.engine_kv_usage, self.engine_steps,
+                      self.engine_generation_tokens):
+                g.labels(self.model_name, str(i)).set(0)
+
     def update_engine_replica(self, i: int, st: EngineStats) -> None:
         """One data-parallel engine's own stats (update_engine gets their total)."""
         name, s, idx = self.model_name, st.scheduler, str(i)

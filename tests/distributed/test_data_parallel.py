@@ -71,6 +71,8 @@ def test_combined_stats_and_metrics_per_engine():
     assert t.scheduler.num_running == 3 and t.num_steps == 15
     assert abs(t.scheduler.kv_cache_usage - 0.3) < 1e-9 and t.scheduler.spec_accepted_per_position == [4, 2]
     m = ServerMetrics("tiny")
+    m.add_engines(2)
+    assert 'backboard:engine_num_requests_running{engine="0",model_name="tiny"} 0.0' in m.render().decode()
     m.update_engine_replica(1, b)
     m.update_engine(t)
     text = m.render().decode()
