@@ -74,3 +74,11 @@ def test_dead_rank_stops_the_engine(tiny_models, monkeypatch):
     finally:
         llm.shutdown()
     assert not proc.is_alive()
+
+
+def test_shard_arithmetic():
+    from backboard.distributed.shard import VocabShard, even_range, head_range
+
+    assert even_range(8, 2, 1) == (4, 8)
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]   # KV heads replicated
+    assert [VocabShard.of(10, 4, r) for r in (0, 3)] == [VocabShard(0, 3, 3), VocabShard(9, 10, 3)]
