@@ -327,6 +327,45 @@ class SchedulerConfig:
             raise ConfigError(f"max_prefill_share must be in (0, 1]; got {self.max_prefill_share}")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (ranks of one engine, distributed/), data parallelism (engines behind
+    one front end) and what places the processes (multiprocessing or Ray)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    data_parallel_rank: int = 0             # which engine this is (set per engine, not a setting)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                              f"got {self.distributed_executor_backend!r}")
+
+    def check_model(self, mc: "ModelConfig") -> None:
+        """Every split head count must divide by the TP size (KV heads may be fewer: replicated)."""
+        tp = self.tensor_parallel_size
+        counts = {"num_attention_heads": mc.num_attention_heads, "intermediate_size": mc.intermediate_size}
+        if mc.is_hybrid:
+            counts.update(linear_num_key_heads=mc.linear_num_key_heads,
+                          linear_num_value_heads=mc.linear_num_value_heads)
+        if mc.num_key_value_heads >= tp:
+            counts["num_key_value_heads"] = mc.num_key_value_heads
+        for name, n in counts.items():
+            if n % tp:
+                raise ConfigError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}); "
+                                  f"choose a TP size that divides it")
+        if mc.num_key_value_heads < tp and tp % mc.num_key_value_heads:
+            raise ConfigError(f"tensor_parallel_size {tp} must be a multiple of num_key_value_heads "
+                              f"{mc.num_key_value_heads} when the KV heads are fewer (they are replicated)")
+
+
 SPEC_METHODS = ("mtp", "draft_head", "ngram")
 
 
@@ -411,8 +450,9 @@ class EngineArgs:
              "fraction of --max-num-batched-tokens per step")
     enforce_eager: bool = _setting(False, "no CUDA graphs")
     cpu_threads: int | None = _setting(
-        None, "CPU: compute threads of the engine (default: every core this process may run on, or "
-              "$OMP_NUM_THREADS; the HTTP front end keeps one torch thread)")
+        None, "CPU: compute threads of the engine, per tensor-parallel rank (default: every core this process "
+              "may run on divided by --tensor-parallel-size x --data-parallel-size, or $OMP_NUM_THREADS; the "
+              "HTTP front end keeps one torch thread)")
     enable_prefix_caching: bool = _setting(
         True, "reuse the KV blocks and GDN states of prefixes seen before (--no-enable-prefix-caching: off)")
     prefix_cache_checkpoint_interval: int = _setting(
@@ -421,6 +461,13 @@ class EngineArgs:
     prefix_cache_checkpoints: int | None = _setting(
         None, "hybrid models: state slots for prefix-cache checkpoints beside the running requests' "
         "(default: max_num_seqs)")
+    tensor_parallel_size: int = _setting(
+        1, "tensor parallelism: ranks (one process each) that split every layer's heads and channels")
+    data_parallel_size: int = _setting(
+        1, "data parallelism: engines behind the one HTTP front end, each request to the least loaded")
+    distributed_executor_backend: str = _setting(
+        "mp", "what starts the TP ranks and DP engines: multiprocessing on this machine, or a Ray cluster",
+        choices=EXECUTOR_BACKENDS)
     served_model_name: str | None = _setting(None, "the model's name in responses", cli=False)
 
     @classmethod
@@ -443,6 +490,7 @@ class EngineConfig:
     tokenizer: str | None = None            # defaults to the model folder
     enforce_eager: bool = False             # no CUDA graphs
     cpu_threads: int | None = None          # CPU: torch threads of the engine (None: every core)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -462,6 +510,11 @@ class EngineConfig:
         spec = _check_spec(SpecConfig.parse(a.speculative_config), mc, model)
         if a.cpu_threads is not None and a.cpu_threads < 1:
             raise ConfigError(f"cpu_threads (--cpu-threads) must be >= 1; got {a.cpu_threads}")
+        parallel = ParallelConfig(a.tensor_parallel_size, a.data_parallel_size, a.distributed_executor_backend)
+        parallel.check_model(mc)
+        if parallel.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_head":
+            raise ConfigError("the 4-bit draft head does not run under tensor parallelism yet; use "
+                              "method 'mtp' or 'ngram' with tensor_parallel_size > 1")
         return cls(
             model=mc,
             cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
@@ -482,6 +535,7 @@ class EngineConfig:
             tokenizer=a.tokenizer,
             enforce_eager=a.enforce_eager,
             cpu_threads=a.cpu_threads,
+            parallel=parallel,
         )
 
 

@@ -209,7 +209,8 @@ def count_calls(stepper: Stepper) -> int:
     return sum(1 for e in prof.events() if e.cpu_parent is None)
 
 
-GEMM_MODULES = ("Linear", "LMHead", "Int4Linear", "Int8Linear")
+GEMM_MODULES = ("Linear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead", "Int4Linear",
+                "Int8Linear")
 
 
 def timed_steps(stepper: Stepper, n: int) -> tuple[float, float, float]:

@@ -26,6 +26,7 @@ from backboard.core.outputs import SchedulerStats
 from backboard.engine import messages as M
 from backboard.engine.cpu_threads import set_engine_threads
 from backboard.engine.transport import ENGINE_IDENTITY, EngineAddresses, make_socket
+from backboard.worker.tp_executor import RankDied
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,14 @@ class EngineIO:
         self.parent = parent.sentinel if parent is not None else None
         if self.parent is not None:
             self.poller.register(self.parent, zmq.POLLIN)
+        self.ranks: list[int] = []                  # sentinels of the other TP ranks
         self.inp.send(b"")                          # announce this engine to the ROUTER
+
+    def watch_ranks(self, sentinels: list[int]) -> None:
+        """Also wake (and fail) when one of these processes (the engine's other TP ranks) ends."""
+        self.ranks = list(sentinels)
+        for s in self.ranks:
+            self.poller.register(s, zmq.POLLIN)
 
     def send(self, msg: M.OutputMessage) -> None:
         self.out.send(self.enc.encode(msg), copy=False)
@@ -61,6 +69,8 @@ class EngineIO:
         ready = dict(self.poller.poll(timeout_ms))
         if self.parent is not None and self.parent in ready:
             raise FrontEndGone()
+        if any(r in ready for r in self.ranks):
+            raise RankDied("a tensor-parallel rank of this engine exited")
         msgs: list[M.InputMessage] = []
         while True:
             try:
@@ -83,6 +93,8 @@ def run_engine_core(cfg: EngineConfig, addrs: EngineAddresses, log_level: str = 
     io = EngineIO(addrs)
     core = _start_core(cfg, io)
     code = 0 if core is None else _serve(core, io)
+    if core is not None and code == 0:
+        core.shutdown()                               # the other TP ranks (on failure they see it)
     io.close()
     if code:
         os._exit(code)
@@ -99,6 +111,8 @@ def _start_core(cfg: EngineConfig, io: EngineIO):
         logger.debug("engine start-up failed", exc_info=True)
         io.send(M.EngineStartFailed(type(e).__name__, str(e)))
         return None
+    if core.tp_workers is not None:
+        io.watch_ranks(core.tp_workers.sentinels)
     io.send(M.EngineReady(core.describe(), core.info()))
     return core
 

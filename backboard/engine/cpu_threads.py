@@ -2,7 +2,8 @@
 
     set_engine_threads(cfg)      the engine (its process, or the offline LLM): cfg.cpu_threads
                                  (--cpu-threads), else $OMP_NUM_THREADS when set, else every core
-                                 this process may run on
+                                 this process may run on, shared by the TP ranks and DP engines
+                                 (each rank gets cores // (TP x DP); other ranks take rank 0's)
     set_frontend_threads()       the HTTP front end: one torch thread, so nothing it runs (the
                                  tokenizer's tensors, a stray torch op) spins OpenMP workers on
                                  the cores the step computes on
@@ -28,12 +29,16 @@ def default_cpu_threads() -> int:
 
 
 def engine_threads(cfg: EngineConfig) -> int | None:
-    """The engine's torch thread count; None: leave torch's ($OMP_NUM_THREADS, the user's)."""
+    """The engine's torch thread count per tensor-parallel rank (ranks and engines share the cores);
+    None: leave torch's ($OMP_NUM_THREADS, the user's)."""
     if not cfg.device.startswith("cpu"):
         return None
     if cfg.cpu_threads is not None:
         return cfg.cpu_threads
-    return None if os.environ.get("OMP_NUM_THREADS") else default_cpu_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    p = cfg.parallel
+    return max(1, default_cpu_threads() // (p.tensor_parallel_size * p.data_parallel_size))
 
 
 def set_engine_threads(cfg: EngineConfig) -> None:

@@ -21,8 +21,10 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
         from backboard.sample.grammar_mask import GrammarBatch
         from backboard.worker.model_runner import ModelRunner
+        from backboard.worker.tp_executor import start_tp_workers
 
         self.cfg = cfg
+        self.tp_workers = start_tp_workers(cfg)      # TP: ranks 1..N-1; this process is rank 0
         proposer = None
         if cfg.spec is not None:
             from backboard.spec_decode import build_proposer
@@ -102,6 +104,12 @@ class EngineCore:
                 logger.warning("request %s: %s", ecr.request_id, e)
                 failed.append(EngineCoreOutput(ecr.request_id, [], finish_reason="abort"))
         return failed
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing with TP = 1)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

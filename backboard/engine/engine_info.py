@@ -29,6 +29,8 @@ def engine_info(core) -> dict[str, Any]:
         "speculative": ({"method": cfg.spec.method, "num_speculative_tokens": cfg.num_spec_tokens,
                          "adaptive": cfg.spec.adaptive} if cfg.spec is not None else None),
         "prefix_caching": cfg.cache.enable_prefix_caching,
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+        "distributed_executor_backend": cfg.parallel.distributed_executor_backend,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from backboard.config import EngineConfig
+from backboard.config import ConfigError, EngineConfig
 from backboard.engine.cpu_threads import set_engine_threads
 from backboard.engine.engine_core import EngineCore
 from backboard.engine.output_processor import InputProcessor, OutputProcessor, ParentRequest, RequestOutput
@@ -25,6 +25,9 @@ class LLM:
         backboard.config.EngineArgs: max_num_seqs, max_model_len, dtype, speculative_config, ...)."""
         model = resolve_model_path(model)         # a GGUF file: its converted folder
         self.config = EngineConfig.create(model, **settings)
+        if self.config.parallel.data_parallel_size > 1:
+            raise ConfigError("the offline LLM runs one engine: data_parallel_size > 1 is for `backboard serve` "
+                              "(tensor_parallel_size works here)")
         set_engine_threads(self.config)           # in-process: this process computes the steps
         self.tokenizer = Tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
@@ -77,6 +80,16 @@ class LLM:
                       "prefix_cache_hit_rate": s.prefix_cache_hits / max(s.prefix_cache_queries, 1),
                       "prefix_cache_checkpoints": s.prefix_cache_checkpoints})
         return d
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op with TP = 1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (KV blocks and state checkpoints)."""

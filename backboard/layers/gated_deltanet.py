@@ -3,15 +3,21 @@
 The four input projections are one joined GEMM: [q | k | v] (the conv channels), z, b, a. The
 short causal conv and the delta rule keep their state in slots: uniform groups (decodes, verify
 rows) take the fused decode op (a Triton kernel on the GPU, its torch reference elsewhere),
-prefill spans the chunked form (ops.dispatch.gdn_prefill)."""
+prefill spans the chunked form (ops.dispatch.gdn_prefill).
+
+Under TP a rank keeps an equal share of the key heads and of the value heads (value head j still
+belongs to key head j // (nv / nk)): its rows of q, k, v, z, b, a, of the conv channels, A_log
+and dt_bias, and its conv and recurrent states; out_proj is row-parallel."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from backboard.distributed.parallel_state import tp_rank, tp_size
+from backboard.distributed.shard import TensorSlice, even_range, scaled, set_shard
 from backboard.forward_context import get_forward_context
-from backboard.layers.linear import Linear
+from backboard.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from backboard.layers.rows import join_rows
 from backboard.ops import dispatch
 
@@ -20,17 +26,31 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, conv_kernel: int,
                  eps: float, dtype: torch.dtype, gdn_idx: int) -> None:
         super().__init__()
-        self.nk, self.nv, self.dk, self.dv, self.eps = nk, nv, dk, dv, eps
-        self.key_dim, self.value_dim = nk * dk, nv * dv
+        kr, vr = even_range(nk, tp_size(), tp_rank()), even_range(nv, tp_size(), tp_rank())
+        self.head_ranges = kr, vr           # this rank's key heads and value heads
+        self.nk, self.nv, self.dk, self.dv, self.eps = kr[1] - kr[0], vr[1] - vr[0], dk, dv, eps
+        self.key_dim, self.value_dim = self.nk * dk, self.nv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.gdn_idx = gdn_idx              # ordinal among the GDN layers (state index)
-        self.in_proj = Linear(hidden, [self.conv_dim, self.value_dim, nv, nv], dtype)
+        Kd, Vd = nk * dk, nv * dv
+        self.in_proj = ColumnParallelLinear(     # [q | k | v | z | b | a], this rank's heads of each
+            hidden, [Kd, Kd, Vd, Vd, nv, nv], dtype,
+            part_ranges=[scaled(kr, dk), scaled(kr, dk), scaled(vr, dv), scaled(vr, dv), vr, vr])
         self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel, dtype=dtype),
                                           requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(nv, dtype=torch.float32), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(nv, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype), requires_grad=False)
+        if tp_size() > 1:
+            set_shard(self.A_log, (nv,), TensorSlice.rows(vr))
+            set_shard(self.dt_bias, (nv,), TensorSlice.rows(vr))
         self.norm_weight = nn.Parameter(torch.empty(dv, dtype=dtype), requires_grad=False)
-        self.out_proj = Linear(self.value_dim, hidden, dtype)
+        self.out_proj = RowParallelLinear(Vd, hidden, dtype)
+
+    def conv_slice(self, full_nk: int) -> TensorSlice:
+        """This rank's conv channels ([q | k | v] rows) in a tensor of all of them."""
+        (kr, vr), dk, dv = self.head_ranges, self.dk, self.dv
+        Kd = full_nk * dk
+        return TensorSlice.rows(scaled(kr, dk), scaled(kr, dk, Kd), scaled(vr, dv, 2 * Kd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

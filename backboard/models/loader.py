@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from backboard.models.registry import model_class
-from backboard.models.weights import WeightSpec
+from backboard.models.weights import TensorSlice, WeightSpec
 
 
 class CheckpointError(ValueError):
@@ -94,8 +94,14 @@ class Checkpoint:
         f = self._handle(self.key_file[key])
         return tuple(f.get_slice(self.raw_name[key]).get_shape())
 
-    def get(self, key: str) -> torch.Tensor:
-        return self._handle(self.key_file[key]).get_tensor(self.raw_name[key])
+    def get(self, key: str, part: TensorSlice | None = None) -> torch.Tensor:
+        """The tensor, or only the rows / columns of `part` (read from the file, nothing else)."""
+        f = self._handle(self.key_file[key])
+        if part is None:
+            return f.get_tensor(self.raw_name[key])
+        sl = f.get_slice(self.raw_name[key])
+        pieces = [sl[a:b] if part.dim == 0 else sl[:, a:b] for a, b in part.ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
 
 
 def load_weights(module: nn.Module, ckpt: Checkpoint, specs: dict[str, WeightSpec],
@@ -108,9 +114,9 @@ def load_weights(module: nn.Module, ckpt: Checkpoint, specs: dict[str, WeightSpe
     responsible for; of those, any not consumed and not `is_ignored` is an unexpected tensor."""
     consumed: set[str] = set()
     for pname, param in module.named_parameters():
-        spec = specs.get(pname) or WeightSpec.same(checkpoint_name(pname), tuple(param.shape))
+        spec = specs.get(pname) or _direct_spec(checkpoint_name(pname), param)
         parts = []
-        for src, shape in spec.sources:
+        for i, (src, shape) in enumerate(spec.sources):
             if src not in ckpt:
                 raise CheckpointError(f"missing tensor {src} (the model expects shape {list(shape)}) "
                                       f"in checkpoint {ckpt.path}")
@@ -119,7 +125,7 @@ def load_weights(module: nn.Module, ckpt: Checkpoint, specs: dict[str, WeightSpe
                 raise CheckpointError(f"shape mismatch for tensor {src}: checkpoint has {list(actual)}, "
                                       f"the model expects {list(shape)} (does config.json match the "
                                       "weights?)")
-            parts.append(ckpt.get(src))
+            parts.append(ckpt.get(src, spec.slice_of(i)))
             consumed.add(src)
         value = spec.combine(parts)
         if tuple(value.shape) != tuple(param.shape):  # a bug in a spec, not in the checkpoint
@@ -133,6 +139,12 @@ def load_weights(module: nn.Module, ckpt: Checkpoint, specs: dict[str, WeightSpe
         raise CheckpointError(f"unexpected tensor(s) in checkpoint {ckpt.path}: "
                               f"{', '.join(unexpected[:5])}{more}; shape {list(ckpt.shape(unexpected[0]))} "
                               "for the first. Does config.json match the weights?")
+
+
+def _direct_spec(name: str, param: torch.Tensor) -> WeightSpec:
+    """A parameter read one to one: whole, or its rank's slice (a parallel layer's ParamShard)."""
+    shard = getattr(param, "shard", None)
+    return WeightSpec.same(name, tuple(param.shape)) if shard is None else WeightSpec.sharded(name, shard)
 
 
 def torch_dtype(name: str) -> torch.dtype:

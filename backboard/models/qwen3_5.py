@@ -13,12 +13,15 @@ import torch
 from torch import nn
 
 from backboard.config import ModelConfig
+from backboard.distributed.parallel_state import tp_rank, tp_size
+from backboard.distributed.shard import TensorSlice, head_range, scaled
 from backboard.layers.attention import PagedAttention, QKNormRope
-from backboard.layers.embedding import LMHead, VocabEmbedding
+from backboard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from backboard.layers.gated_deltanet import GatedDeltaNet
 from backboard.layers.linear import Linear
 from backboard.layers.mlp import MLP, SparseMoE
 from backboard.layers.norm import RMSNorm
+from backboard.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from backboard.layers.rotary import RotaryEmbedding
 from backboard.models.weights import WeightSpec
 
@@ -27,16 +30,22 @@ class GatedAttention(nn.Module):
     """q/k/v joined (with bias where cfg.qkv_bias); q_proj rows interleaved per head as
     [query D | gate D] when attn_output_gate; per-head q_norm / k_norm where cfg.qk_norm, partial
     RoPE, paged causal attention, out * sigmoid(gate), o_proj. The dense decoders (Qwen3, Qwen2,
-    Llama) are this layer without the gate, and without q/k norm for Qwen2 and Llama."""
+    Llama) are this layer without the gate, and without q/k norm for Qwen2 and Llama.
+
+    Under TP a rank keeps nh / tp query heads (with their gates) and nkv / tp KV heads, or one
+    replicated KV head when they are fewer than the ranks; o_proj is row-parallel."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn_idx: int) -> None:
         super().__init__()
-        self.nh, self.nkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        hr, kvr = head_range(nh, tp_size(), tp_rank()), head_range(nkv, tp_size(), tp_rank())
+        self.nh, self.nkv, self.D = hr[1] - hr[0], kvr[1] - kvr[0], D
         self.gated = cfg.attn_output_gate
-        q_rows = self.nh * self.D * (2 if self.gated else 1)
-        self.qkv_proj = Linear(cfg.hidden_size, [q_rows, self.nkv * self.D, self.nkv * self.D], dtype,
-                               bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.nh * self.D, cfg.hidden_size, dtype, bias=cfg.o_bias)
+        qD = D * (2 if self.gated else 1)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [nh * qD, nkv * D, nkv * D], dtype,
+                                             bias=cfg.qkv_bias,
+                                             part_ranges=[scaled(hr, qD), scaled(kvr, D), scaled(kvr, D)])
+        self.o_proj = RowParallelLinear(nh * D, cfg.hidden_size, dtype, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
@@ -92,16 +101,24 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
     def weight_specs(self, src: str, dst: str) -> dict[str, WeightSpec]:
-        q_rows = self.qkv_proj.output_sizes[0]
+        q_rows, kv, _ = self.qkv_proj.full_sizes
         H = self.qkv_proj.in_features
-        kv = self.nkv * self.D
+        slices = _part_slices(self.qkv_proj)
         specs = {f"{dst}.qkv_proj.weight": WeightSpec.cat(
             [(f"{src}.q_proj.weight", (q_rows, H)), (f"{src}.k_proj.weight", (kv, H)),
-             (f"{src}.v_proj.weight", (kv, H))])}
+             (f"{src}.v_proj.weight", (kv, H))], slices)}
         if self.qkv_proj.bias is not None:
             specs[f"{dst}.qkv_proj.bias"] = WeightSpec.cat(
-                [(f"{src}.q_proj.bias", (q_rows,)), (f"{src}.k_proj.bias", (kv,)), (f"{src}.v_proj.bias", (kv,))])
+                [(f"{src}.q_proj.bias", (q_rows,)), (f"{src}.k_proj.bias", (kv,)), (f"{src}.v_proj.bias", (kv,))],
+                slices)
         return specs
+
+
+def _part_slices(lin: Linear) -> list[TensorSlice] | None:
+    """Each part's rows this rank reads (None: whole tensors, TP = 1 or a replicated layer)."""
+    if tp_size() == 1 or not isinstance(lin, ColumnParallelLinear):
+        return None
+    return [lin.part_slice(i) for i in range(len(lin.full_sizes))]
 
 
 class DecoderLayer(nn.Module):
@@ -170,25 +187,30 @@ def layer_weight_specs(cfg: ModelConfig, layer: DecoderLayer, src: str, dst: str
 def _mlp_specs(mlp: MLP, src: str, dst: str) -> dict[str, WeightSpec]:
     I, H = mlp.inter, mlp.gate_up_proj.in_features
     return {f"{dst}.gate_up_proj.weight": WeightSpec.cat(
-        [(f"{src}.gate_proj.weight", (I, H)), (f"{src}.up_proj.weight", (I, H))])}
+        [(f"{src}.gate_proj.weight", (I, H)), (f"{src}.up_proj.weight", (I, H))], _part_slices(mlp.gate_up_proj))}
 
 
 def _gdn_specs(cfg: ModelConfig, gdn: GatedDeltaNet, src: str, dst: str) -> dict[str, WeightSpec]:
-    H, nk, nv, dk, dv = cfg.hidden_size, gdn.nk, gdn.nv, gdn.dk, gdn.dv
-    K = cfg.linear_conv_kernel_dim
+    """Full shapes from cfg; under TP each source is read at this rank's heads only."""
+    H, nk, nv, dk, dv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, gdn.dk, gdn.dv
+    K, C, tp = cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim, tp_size() > 1
+    conv = gdn.conv_slice(nk) if tp else None
     specs = {f"{dst}.conv1d_weight": WeightSpec(
-        [(f"{src}.conv1d.weight", (gdn.conv_dim, 1, K))], lambda ts: ts[0].reshape(ts[0].shape[0], -1)),
+        [(f"{src}.conv1d.weight", (C, 1, K))], lambda ts: ts[0].reshape(ts[0].shape[0], -1), [conv]),
         f"{dst}.norm_weight": WeightSpec.same(f"{src}.norm.weight", (dv,))}
     if cfg.gdn_projection_layout == "split":
+        p = _part_slices(gdn.in_proj)
         specs[f"{dst}.in_proj.weight"] = WeightSpec.cat(
-            [(f"{src}.in_proj_qkv.weight", (gdn.conv_dim, H)), (f"{src}.in_proj_z.weight", (nv * dv, H)),
-             (f"{src}.in_proj_b.weight", (nv, H)), (f"{src}.in_proj_a.weight", (nv, H))])
+            [(f"{src}.in_proj_qkv.weight", (C, H)), (f"{src}.in_proj_z.weight", (nv * dv, H)),
+             (f"{src}.in_proj_b.weight", (nv, H)), (f"{src}.in_proj_a.weight", (nv, H))],
+            [conv, p[3], p[4], p[5]] if p else None)
     else:
-        r = nv // nk
+        r, kr = nv // nk, gdn.head_ranges[0]
+        groups = [TensorSlice.rows(scaled(kr, 2 * dk + 2 * r * dv)), TensorSlice.rows(scaled(kr, 2 * r))]
         specs[f"{dst}.in_proj.weight"] = WeightSpec(
             [(f"{src}.in_proj_qkvz.weight", (nk * (2 * dk + 2 * r * dv), H)),
              (f"{src}.in_proj_ba.weight", (nk * 2 * r, H))],
-            lambda ts: _regroup_qkvz_ba(ts[0], ts[1], nk, dk, r * dv, r))
+            lambda ts, n=gdn.nk: _regroup_qkvz_ba(ts[0], ts[1], n, dk, r * dv, r), groups if tp else None)
     return specs
 
 
@@ -210,7 +232,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         attn_ids, gdn_ids = cfg.attn_layer_ids, cfg.gdn_layer_ids
         self.layers = nn.ModuleList([
             DecoderLayer(cfg, i, dtype,
@@ -218,7 +240,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                          gdn_idx=gdn_ids.index(i) if i in gdn_ids else -1)
             for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     @property

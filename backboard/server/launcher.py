@@ -31,6 +31,7 @@ import uvicorn
 from backboard.config import EngineConfig
 from backboard.engine.async_llm import AsyncLLM
 from backboard.engine.cpu_threads import set_frontend_threads
+from backboard.engine.dp_client import engine_client
 from backboard.engine.request_stream import EngineDeadError, EngineStartError, ServerShuttingDown
 from backboard.server.api import ServerState, build_app
 from backboard.server.connections import guarded_protocol
@@ -168,9 +169,11 @@ def bind(host: str, port: int) -> socket.socket:
 async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.socket) -> int:
     names = list(opts.served_names) or [cfg.model.path]
     metrics = ServerMetrics(names[0], cfg.num_spec_tokens)
-    engine = AsyncLLM(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
-                      on_finished=metrics.observe_finished,
-                      addresses=opts.engine_address, on_pause=metrics.observe_pause)
+    if cfg.parallel.data_parallel_size > 1:
+        metrics.add_engines(cfg.parallel.data_parallel_size)
+    engine = engine_client(cfg, tokenizer, log_level=opts.log_level, on_stats=metrics.update_engine,
+                           on_finished=metrics.observe_finished, addresses=opts.engine_address,
+                           on_pause=metrics.observe_pause, on_engine_stats=metrics.update_engine_replica)
     state = ServerState(engine, tokenizer, names, cfg.model.path, cfg.scheduler.max_model_len, metrics,
                         api_key=opts.api_key, stream_interval=opts.stream_interval, limits=opts.limits,
                         reasoning_parser=opts.reasoning_parser, tool_call_parser=opts.tool_call_parser,

@@ -91,6 +91,16 @@ class ServerMetrics:
         self.timeouts = Counter("backboard:http_connections_timed_out", "Connections closed by a timeout: "
                                 "header (idle or slow-loris), send (a client that stopped reading)",
                                 m + ["reason"], registry=r)
+        e = m + ["engine"]                         # data parallelism: each engine's own (the totals above)
+        self.engine_running = Gauge("backboard:engine_num_requests_running", "Requests in one engine's running "
+                                    "batch (data parallelism)", e, registry=r)
+        self.engine_waiting = Gauge("backboard:engine_num_requests_waiting", "Requests waiting in one engine",
+                                    e, registry=r)
+        self.engine_kv_usage = Gauge("backboard:engine_kv_cache_usage_perc", "One engine's KV cache usage (0-1)",
+                                     e, registry=r)
+        self.engine_steps = Gauge("backboard:engine_num_steps", "One engine's steps since start", e, registry=r)
+        self.engine_generation_tokens = Gauge("backboard:engine_generation_tokens",
+                                              "Tokens one engine generated since start", e, registry=r)
         for reason in ("header", "send"):
             self.timeouts.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
@@ -167,6 +177,22 @@ class ServerMetrics:
             if a > b:
                 self.spec_per_pos.labels(name, str(pos)).inc(a - b)
         self._last = st
+
+    def add_engines(self, n: int) -> None:
+        """Export every data-parallel engine's gauges (at 0) before its first stats."""
+        for i in range(n):
+            for g in (self.engine_running, self.engine_waiting, self.engine_kv_usage, self.engine_steps,
+                      self.engine_generation_tokens):
+                g.labels(self.model_name, str(i)).set(0)
+
+    def update_engine_replica(self, i: int, st: EngineStats) -> None:
+        """One data-parallel engine's own stats (update_engine gets their total)."""
+        name, s, idx = self.model_name, st.scheduler, str(i)
+        self.engine_running.labels(name, idx).set(s.num_running)
+        self.engine_waiting.labels(name, idx).set(s.num_waiting)
+        self.engine_kv_usage.labels(name, idx).set(s.kv_cache_usage)
+        self.engine_steps.labels(name, idx).set(st.num_steps)
+        self.engine_generation_tokens.labels(name, idx).set(st.num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

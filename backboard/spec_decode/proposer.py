@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from backboard.config import EngineConfig
+from backboard.distributed.parallel_state import broadcast_object
 from backboard.forward_context import ModelCaches
 from backboard.spec_decode.adaptive import AdaptiveK
 from backboard.worker.input_batch import InputBatch
@@ -65,6 +66,8 @@ class Proposer:
         out: list[list[int]] = [[] for _ in range(B)]
         who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
+        if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's k (timed) on all
+            k = broadcast_object(k)
         self.last_k = k
         if k == 0:
             return out                      # speculation off this step: no proposer work at all

@@ -3,12 +3,18 @@
 Each step reads as its phases: prepare (worker/step.py builds the StepPlan), forward (eager or a
 CUDA graph, worker/cuda_graph.py), sample (sample/: metadata, sampler, rejection sampling), commit
 (the new tokens into the InputBatch, verify slots via spec_decode/verify.py); then the proposer
-(spec_decode/) drafts for the next step. GDN state slots: the metadata here, the math in layers/."""
+(spec_decode/) drafts for the next step. GDN state slots: the metadata here, the math in layers/.
+
+Under tensor parallelism every rank runs this runner over its shard (distributed/): rank 0 (the
+engine process) broadcasts the step's SchedulerOutput once, every rank prepares and runs the same
+forward (the layers all-reduce / gather), rank 0 samples and broadcasts the tokens, and every rank
+commits them; the caches hold this rank's heads only."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -16,6 +22,8 @@ import torch
 from backboard.config import EngineConfig
 from backboard.constants import spec_token_margin
 from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
+from backboard.distributed.parallel_state import all_min, broadcast_object, tp_rank, tp_size
+from backboard.distributed.shard import local_model_config
 from backboard.forward_context import set_forward_context
 from backboard.models.loader import load_model, torch_dtype
 from backboard.ops import dispatch
@@ -46,7 +54,9 @@ class ModelRunner:
         self.load_time_s = time.time() - t0
         dispatch.prepare_cpu_kernels(self.device, self.dtype)   # build / load them now, not in a step
         self.block_size = cfg.cache.block_size
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
+        # CUDA graphs are not captured under TP yet (the collectives would have to be captured too)
+        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
+                      and tp_size() == 1)
         self._allocate_caches(proposer.num_extra_attn_layers if proposer is not None else 0, use_graphs)
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
@@ -63,7 +73,7 @@ class ModelRunner:
 
     def _allocate_caches(self, extra_attn_layers: int, use_graphs: bool) -> None:
         """Size the KV cache and the state slots (from a profiling pass on CUDA) and allocate them."""
-        cfg = self.cfg
+        cfg = replace(self.cfg, model=local_model_config(self.cfg.model, tp_size()))   # this rank's heads
         act = None
         if self.device.type == "cuda" and cfg.cache.num_kv_blocks is None:
             try:
@@ -72,6 +82,7 @@ class ModelRunner:
                 logger.warning("profiling pass failed (%s: %s); sizing the cache from an estimate",
                                type(e).__name__, e)
         self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra_attn_layers, act)
+        self.num_blocks = all_min(self.num_blocks)     # what every rank holds
         # with graphs, one more block (never handed out) takes the padding rows' KV writes
         self.caches = allocate_caches(cfg.model, self.num_blocks + int(use_graphs), self.block_size,
                                       self.num_slots, self.dtype, self.device, extra_attn_layers=extra_attn_layers)
@@ -106,7 +117,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """(prefix-cache copies ->) prepare -> forward -> sample -> commit (-> propose the next
-        step's drafts)."""
+        step's drafts). Under TP rank 0 broadcasts `so` first (the other ranks receive it in
+        worker/tp_worker.py)."""
+        if tp_rank() == 0 and tp_size() > 1:
+            broadcast_object(so)
         if so.kv_block_copies or so.state_copies:       # prefix caching: before anything is written
             apply_cache_copies(self.caches, so.kv_block_copies, so.state_copies)
         self._update_states(so)
@@ -173,11 +187,18 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor, grammars=None) -> SampleResult:
         """Tokens for every sampling request (verifying drafts where there are any, masked by
-        their grammars where they have one) and their logprobs when asked for."""
-        result = SampleResult.empty(len(plan.rows))
+        their grammars where they have one) and their logprobs when asked for. Under TP rank 0
+        samples and every rank takes its result."""
         if len(plan.logit_rows) == 0:
-            return result
+            return SampleResult.empty(len(plan.rows))
         logits = self._logits(plan, hidden)
+        if tp_rank() > 0:
+            return broadcast_object()
+        return broadcast_object(self._choose(plan, logits, grammars))
+
+    def _choose(self, plan: StepPlan, logits: torch.Tensor, grammars) -> SampleResult:
+        """logits [R, V] -> the step's tokens (and logprobs)."""
+        result = SampleResult.empty(len(plan.rows))
         if grammars is not None:
             self._apply_grammars(plan, grammars, logits)
         if not plan.has_spec and self.params.plain_greedy[plan.rows[plan.sample_mask]].all():

@@ -4,7 +4,7 @@ import cycles between modules, and the torch-free core imports without torch.
 The layers, lowest first (a module may import its own layer and any below it):
 
     0  core/, request, sampling_params, config       plain Python: no tensors, never torch
-    1  ops/                                          tensor functions, no engine imports
+    1  ops/, distributed/                            tensor functions, TP collectives; no engine imports
     2  forward_context                               the contract between the runner and the layers
     3  layers/
     4  models/
@@ -34,7 +34,7 @@ PKG = ROOT / "backboard"
 
 LEVELS = {
     "core": 0, "request": 0, "sampling_params": 0, "config": 0, "constants": 0,
-    "ops": 1,
+    "ops": 1, "distributed": 1,
     "forward_context": 2,
     "layers": 3,
     "models": 4,
