@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -81,15 +82,24 @@ def teacher_targets(teacher: "Teacher", seqs: np.ndarray) -> tuple[torch.Tensor,
     return h, top_v.log_softmax(-1), top_i
 
 
-def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: torch.Tensor,
-              top_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Cross-entropy of the head against the teacher's (top-k) distribution of the token after
-    next, over every position with a teacher; and the top-1 agreement."""
+def draft_logits(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The training path's first drafts: the head at position i sees (embed(t_{i+1}), h_i) and
+    its logits predict t_{i+2}. seqs [B, L], h [B, L, H] -> fp32 logits [B * (L - 1), V]
+    (sequence-major). The serving proposer must give the same logits for the same inputs
+    (tests/spec_decode/test_draft_parity.py)."""
     B, L = seqs.shape
     ids = torch.from_numpy(seqs)
     pos = torch.arange(L - 1)
     outs = [head(target.embed_tokens(ids[b, 1:]), h[b, :-1], pos, dense=True) for b in range(B)]
-    draft = F.linear(torch.cat(outs), target.lm_head.weight).float().log_softmax(-1)   # [B*(L-1), V]
+    return lm_head(torch.cat(outs)).float()
+
+
+def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: torch.Tensor,
+              top_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the head against the teacher's (top-k) distribution of the token after
+    next, over every position with a teacher; and the top-1 agreement."""
+    draft = draft_logits(head, target, seqs, h, lambda x: F.linear(x, target.lm_head.weight)).log_softmax(-1)
     t_lp = top_lp[:, 1:].reshape(-1, top_lp.shape[-1])
     t_ids = top_ids[:, 1:].reshape(-1, top_ids.shape[-1])
     loss = -(t_lp.exp() * draft.gather(-1, t_ids)).sum(-1).mean()
