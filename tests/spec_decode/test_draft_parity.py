@@ -52,8 +52,7 @@ def _engine_first_drafts(model: str, head: str, prompt: list[int], k: int):
     return np.array(prompt + list(out[0].outputs[0].token_ids), dtype=np.int64), calls
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_proposer_first_draft_logits_equal_training_path(dense_model, head_dir, k):
+def test_proposer_first_draft_logits_equal_training_path(dense_model, head_dir, k=3):
     from backboard.config import ModelConfig
     from backboard.spec_decode.draft_head import load_draft_head
     from backboard.spec_decode.train import Teacher, draft_logits
