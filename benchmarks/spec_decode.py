@@ -1,12 +1,18 @@
-"""Speculative decoding on the CPU: output tokens/s and TPOT with and without speculation at
-concurrency 1, 4, 16 and 64, side by side in one run, with the mean acceptance length.
+"""Speculative decoding on the CPU, side by side in one run, floor = the same engine without
+speculation (greedy outputs checked identical to it).
 
-Target: the tiny hybrid with transformers' default weight scale (its next token depends mostly on
-the current one, a structure a draft head can learn); draft: our int4 head, trained here by
-distillation on the target's own text unless --draft points at one. Each configuration serves
-the same requests (greedy, fixed output length) through LLM.generate with max_num_seqs = C.
-The floor is the same engine without speculation; outputs are checked identical.
+--model smollm2 | CKPT_OR_GGUF (real text; `smollm2` is SmolLM2-135M-Instruct from PyPI):
+  1. a draft head distilled on text the model itself writes (greedy and T = 0.7) for chat
+     prompts with the chat template applied (`backboard draft train`'s routine);
+  2. mean acceptance length at k = 1, 2, 3, 4, draft head and n-gram, greedy and T = 0.7, on
+     held-out prompts (topics never seen in training; fixed k);
+  3. output tokens/s at concurrency 1, 4, 16: no speculation, draft head and n-gram (adaptive k).
 
+no --model (synthetic): the tiny hybrid with transformers' default weight scale (its next token
+depends mostly on the current one, a structure a draft head can learn), random prompts; output
+tokens/s and TPOT at concurrency 1, 4, 16 and 64.
+
+    python benchmarks/spec_decode.py --model smollm2 [--train-minutes 5] [--output-len 64]
     python benchmarks/spec_decode.py [--concurrency 1,4,16,64] [--output-len 64] [--train-steps 300]
 """
 
@@ -23,34 +29,124 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backboard import LLM, SamplingParams  # noqa: E402
-from backboard.models.tiny import build_tiny_checkpoint  # noqa: E402
+
+TOPICS = ["the ocean", "volcanoes", "the French Revolution", "photosynthesis", "black holes", "jazz",
+          "the Roman Empire", "machine learning", "coffee", "the human heart", "bees", "chess",
+          "the moon landing", "rainforests", "electricity", "the printing press", "glaciers",
+          "vaccines", "the piano", "deserts", "earthquakes", "the internet", "dinosaurs", "tea",
+          "the Great Wall of China", "bicycles", "honey", "lightning", "the Olympic Games", "rivers",
+          "penguins", "the telescope", "bread", "the Renaissance", "solar power", "whales"]
+FORMS = ["Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "List five facts about {}.",
+         "What are the most common misconceptions about {}?", "Write a haiku about {}.",
+         "Give me three questions a student might ask about {}, with answers."]
+HELD_OUT = 8          # the last topics: never in the training text
 
 
-def run(model: str, spec, prompts, sp, C: int) -> dict:
-    llm = LLM(model, max_num_seqs=C, max_model_len=512, speculative_config=spec)
-    llm.generate(prompts[:2], sp)                                   # warm
+def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> dict:
+    """One engine (max_num_seqs = C) serving reqs after a warm-up: tokens/s, mean TPOT, the mean
+    acceptance length, the last k chosen and the tokens."""
+    llm = LLM(model, max_num_seqs=C, max_model_len=max_model_len, speculative_config=spec)
+    llm.generate(reqs[:2], sp)
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(reqs, sp)
     wall = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if len(o.outputs[0].token_ids) > 1]
-    st = llm.stats()
-    return dict(tok_s=n / wall, tpot_ms=1e3 * float(np.mean(tpot)), tokens=[o.outputs[0].token_ids for o in outs],
-                accept=st.get("spec_mean_acceptance_length"), k=getattr(llm.engine.runner.proposer, "last_k", 0))
+    return dict(tok_s=n / wall, tpot_ms=1e3 * float(np.mean(tpot)),
+                accept=llm.stats().get("spec_mean_acceptance_length"),
+                k=getattr(llm.engine.runner.proposer, "last_k", 0), tokens=[list(o.outputs[0].token_ids) for o in outs])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default=None, help="a trained draft head (default: train one here)")
-    ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=3)
-    args = ap.parse_args()
+# ---- real text ------------------------------------------------------------------------------
+def chat_prompts(tok, asks: list[str]) -> list[list[int]]:
+    """User messages as chat-templated token ids."""
+    return [tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for a in asks]
+
+
+def training_text(model: str, path: str | None) -> list[str]:
+    """The model's own answers (prompt included) to every form of each training topic: greedy,
+    and every third at T = 0.7; read from `path` when it exists (pieces separated by NUL), else
+    written and saved there."""
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().split("\0")
+    llm = LLM(model, max_num_seqs=48, max_model_len=1024)
+    tok = llm.get_tokenizer().hf                 # the Hugging Face tokenizer
+    prompts = chat_prompts(tok, [f.format(t) for t in TOPICS[:-HELD_OUT] for f in FORMS])
+    params = [SamplingParams(max_tokens=256, temperature=0.0 if i % 3 else 0.7, seed=i) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    pieces = [tok.decode(p) + o.outputs[0].text for p, o in zip(prompts, outs)]
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\0".join(pieces))
+    return pieces
+
+
+def train_real_draft(model: str, draft: str, minutes: float, text_path: str | None) -> None:
+    from backboard.spec_decode.train import train_draft_head
+
+    t0 = time.perf_counter()
+    pieces = training_text(model, text_path)
+    # the last two training topics are held out for the statistics, their answers only: the
+    # template and system prompt are near-certain drafts that serving never asks for
+    n_held = 2 * len(FORMS)
+    text = "\n".join(pieces[:-n_held])
+    held = "\n".join(p.split("<|im_start|>assistant\n", 1)[-1] for p in pieces[-n_held:])
+    print(f"training a draft head for {minutes} min on {len(text)} characters of the model's own answers "
+          f"({time.perf_counter() - t0:.0f} s to write or read) ...", flush=True)
+    print("  ", train_draft_head(model, text, draft, minutes=minutes, seq_len=128, batch_size=8, held_text=held,
+                                 pool_batches=24, loss_vocab_top=8,
+                                 log=lambda *a: None), flush=True)
+
+
+def real_text(args) -> None:
+    from backboard.engine.tokenizer import Tokenizer
+    from backboard.models.gguf import resolve_model_path
+    from backboard.models.smollm2 import fetch_smollm2
+
+    model = resolve_model_path(fetch_smollm2() if args.model == "smollm2" else args.model)
+    draft = args.draft or os.path.join(tempfile.gettempdir(), "backboard-smollm2-draft")
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        train_real_draft(model, draft, args.train_minutes, args.train_text)
+    asks = [FORMS[i % len(FORMS)].format(t) for i, t in enumerate(TOPICS[-HELD_OUT:])]
+    held = chat_prompts(Tokenizer(model).hf, asks)
+    reqs = [{"prompt_token_ids": p} for p in held]
+    print(f"target {model}; draft {draft}\nheld-out prompts: {len(held)} (chat template), {args.output_len} "
+          f"output tokens")
+    print(f"mean acceptance length (tokens per verify step, drafts accepted + 1), fixed k, C = {len(reqs)}:")
+    for temp in (0.0, 0.7):
+        sp = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
+        for method in ("draft_head", "ngram"):
+            row = []
+            for k in (1, 2, 3, 4):
+                spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+                if method == "draft_head":
+                    spec["draft_model"] = draft
+                row.append(measure(model, spec, reqs, sp, len(reqs))["accept"] or 0.0)
+            print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row)),
+                  flush=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    print("decode speed (greedy), floor = no speculation:")
+    for C in map(int, args.concurrency.split(",")):
+        cr = (reqs * (1 + (2 * C) // len(reqs)))[:max(2 * C, len(reqs))]
+        base = measure(model, None, cr, sp, C)
+        for name, spec in ((f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
+                                                                 "num_speculative_tokens": args.k}),
+                           (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})):
+            r = measure(model, spec, cr, sp, C)
+            print(f"  C={C:<3} {name:<24} {r['tok_s']:7.1f} tok/s vs {base['tok_s']:7.1f}: "
+                  f"{r['tok_s'] / base['tok_s']:.2f}x  accept {r['accept'] or 0:.2f}  last k {r['k']}  "
+                  f"same tokens: {r['tokens'] == base['tokens']}", flush=True)
+
+
+# ---- synthetic ------------------------------------------------------------------------------
+def synthetic(args) -> None:
+    from backboard.models.tiny import build_tiny_checkpoint
+
     tmp = tempfile.gettempdir()
-    model = args.model or os.path.join(tmp, "backboard-bench-tiny-soft")
+    model = os.path.join(tmp, "backboard-bench-tiny-soft")
     if not os.path.isfile(os.path.join(model, "config.json")):
         build_tiny_checkpoint(model, arch="qwen3_5", init_std=0.02)
     draft = args.draft or os.path.join(tmp, "backboard-bench-draft")
@@ -79,12 +175,29 @@ def main() -> None:
         prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(16, 64, max(2 * C, 8))]
         base = None
         for name, spec in configs:
-            r = run(model, spec, prompts, sp, C)
+            r = measure(model, spec, prompts, sp, C, max_model_len=512)
             base = base or r
             acc = f"{r['accept']:.2f}" if r["accept"] else "-"
             print(f"{C:>3} {name:<28} {r['tok_s']:10.1f} {r['tok_s'] / base['tok_s']:8.2f} {r['tpot_ms']:9.2f} "
                   f"{r['tpot_ms'] / base['tpot_ms']:8.2f} {acc:>10} {r['k']:>6}  {r['tokens'] == base['tokens']}",
                   flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="smollm2, or a checkpoint folder / GGUF (real text); "
+                                                  "default: the synthetic tiny hybrid")
+    ap.add_argument("--draft", default=None, help="a trained draft head (default: train one here)")
+    ap.add_argument("--train-steps", type=int, default=300, help="synthetic: draft-head training steps")
+    ap.add_argument("--train-minutes", type=float, default=5.0, help="real text: draft-head training time")
+    ap.add_argument("--train-text", default=None, help="real text: the model's answers to train on, "
+                                                       "read when the file exists, else written there")
+    ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic)")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    args = ap.parse_args()
+    args.concurrency = args.concurrency or ("1,4,16" if args.model else "1,4,16,64")
+    (real_text if args.model else synthetic)(args)
 
 
 if __name__ == "__main__":

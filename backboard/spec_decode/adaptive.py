@@ -9,8 +9,11 @@ batch size, the measured acceptance and the measured step times.
 With k = 0 the proposer does no work at all (not even keeping its cache in step), so speculation
 that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
 (steps with prefill chunks are left out: their rows cost differently); t_catchup and t_draft are
-linear in n. Exploration: the first steps alternate k_max and 0 so that the fit sees both row
-counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0 when on)."""
+linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit sees both row
+counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0 when on),
+less and less often (up to 8x) while off stays the answer.
+Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
+acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3)."""
 
 from __future__ import annotations
 
@@ -44,16 +47,19 @@ class _LinearFit:
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.6, explore_steps: int = 6,
-                 probe_every: int = 32) -> None:
+    def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.3, explore_steps: int = 10,
+                 probe_every: int = 16, margin: float = 1.05) -> None:
         self.k_max, self.enabled = k_max, enabled
-        self.explore_steps, self.probe_every = explore_steps, probe_every
-        self.drafted = np.full(k_max, 20.0)          # pseudo-counts for the prior
+        self.explore_steps, self.probe_every, self.margin = explore_steps, probe_every, margin
+        self.drafted = np.full(k_max, 10.0)          # pseudo-counts for the prior
         self.accepted = self.drafted * prior
-        self.verify = _LinearFit()
+        # slow decay: mostly one row count is seen at a time, the probes keep the other one
+        self.verify = _LinearFit(decay=0.98)
         self.catchup = _LinearFit()
         self.draft = _LinearFit()
         self.steps = 0
+        self._probe_gap = probe_every
+        self._next_probe = explore_steps + probe_every
         self._seen: dict[str, int] = {}
 
     def acceptance(self) -> np.ndarray:
@@ -92,8 +98,13 @@ class AdaptiveK:
         if not self.enabled or n == 0:
             return self.k_max
         if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
-            return self.k_max if self.steps % 2 else 0
-        best = max(range(self.k_max + 1), key=lambda k: self.rate(n, k))
-        if self.steps % self.probe_every == 0:
+            return 1 if self.steps % 2 else 0        # k = 1: the cheapest way to see both row counts
+        best = max(range(1, self.k_max + 1), key=lambda k: self.rate(n, k))
+        if self.rate(n, best) < self.margin * self.rate(n, 0):
+            best = 0                                 # speculation must clearly pay: off is never slower
+        if self.steps >= self._next_probe:
+            # probes of a losing speculation cost: back off while off stays the answer
+            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
+            self._next_probe = self.steps + self._probe_gap
             return 1 if best == 0 else 0
         return best

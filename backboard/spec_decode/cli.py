@@ -22,6 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--group-size", type=int, default=64, help="int4 group size (a multiple of 32)")
+    t.add_argument("--chain-frac", type=float, default=0.5,
+                   help="share of positions trained as chained drafts (the head's own output as hidden)")
+    t.add_argument("--loss-vocab-top", type=int, default=0, metavar="K",
+                   help="normalise the loss over the text's tokens and the teacher's top K only (faster)")
     t.add_argument("--init", choices=["mtp", "random"], default="mtp",
                    help="start from the checkpoint's MTP head when it has one")
     t.add_argument("--seed", type=int, default=0)
@@ -53,7 +57,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         train_draft_head(args.model, text, args.out, minutes=args.minutes, steps=args.steps,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                         group_size=args.group_size, init=args.init, seed=args.seed)
+                         group_size=args.group_size, init=args.init, seed=args.seed, chain_frac=args.chain_frac,
+                         loss_vocab_top=args.loss_vocab_top)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -81,18 +83,76 @@ def teacher_targets(teacher: "Teacher", seqs: np.ndarray) -> tuple[torch.Tensor,
     return h, top_v.log_softmax(-1), top_i
 
 
-def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: torch.Tensor,
-              top_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Cross-entropy of the head against the teacher's (top-k) distribution of the token after
-    next, over every position with a teacher; and the top-1 agreement."""
+def draft_logits(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The training path's first drafts: the head at position i sees (embed(t_{i+1}), h_i) and
+    its logits predict t_{i+2}. seqs [B, L], h [B, L, H] -> fp32 logits [B * (L - 1), V]
+    (sequence-major). The serving proposer must give the same logits for the same inputs
+    (tests/spec_decode/test_draft_parity.py)."""
     B, L = seqs.shape
     ids = torch.from_numpy(seqs)
     pos = torch.arange(L - 1)
     outs = [head(target.embed_tokens(ids[b, 1:]), h[b, :-1], pos, dense=True) for b in range(B)]
-    draft = F.linear(torch.cat(outs), target.lm_head.weight).float().log_softmax(-1)   # [B*(L-1), V]
+    return lm_head(torch.cat(outs)).float()
+
+
+@torch.no_grad()
+def chained_hidden(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, frac: float, depth: int,
+                   gen: torch.Generator) -> torch.Tensor:
+    """The hidden inputs of drafts 2..k, EAGLE-style: in serving, draft j + 1 at position p + 1
+    sees the head's own output at p instead of the target's h_{p+1}. A random `frac` of the
+    positions get that (the head's output one position back, `depth` times chained); the rest
+    keep the target's. h [B, L, H] -> [B, L, H]."""
+    if frac <= 0 or depth <= 0:
+        return h
+    B, L = seqs.shape
+    ids = torch.from_numpy(seqs)
+    embeds = target.embed_tokens(ids[:, 1:])
+    mask = (torch.rand(B, L - 1, 1, generator=gen) < frac)
+    cur = h
+    for _ in range(depth):
+        own = torch.stack([head(embeds[b], cur[b, :-1], torch.arange(L - 1), dense=True) for b in range(B)])
+        cur = torch.cat([h[:, :1], torch.where(mask, own.to(h.dtype), h[:, 1:])], 1)
+    return cur
+
+
+@dataclass(frozen=True)
+class LossVocab:
+    """The tokens the training loss normalises over: those of the training text and the
+    teacher's top alternatives. A softmax over them, not the whole vocabulary, makes a step several
+    times cheaper (the LM head dominates); serving still drafts over the whole vocabulary, and the
+    held-out agreement is measured that way."""
+
+    ids: torch.Tensor              # [V'] token ids, sorted
+    index: torch.Tensor            # [V] position in ids, -1 for tokens outside
+    weight: torch.Tensor           # [V', H] the LM head's rows
+
+    @classmethod
+    def build(cls, token_ids: list[torch.Tensor], lm_head_weight: torch.Tensor) -> "LossVocab":
+        ids = torch.unique(torch.cat([t.reshape(-1) for t in token_ids]))
+        index = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        return cls(ids, index, lm_head_weight[ids].detach())
+
+
+def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: torch.Tensor,
+              top_ids: torch.Tensor, vocab: LossVocab | None = None) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the head against the teacher's (top-k) distribution of the token after
+    next, over every position with a teacher (over vocab's tokens only when given, the teacher's
+    renormalised to them); and the top-1 agreement."""
     t_lp = top_lp[:, 1:].reshape(-1, top_lp.shape[-1])
     t_ids = top_ids[:, 1:].reshape(-1, top_ids.shape[-1])
-    loss = -(t_lp.exp() * draft.gather(-1, t_ids)).sum(-1).mean()
+    t_p = t_lp.exp()
+    w = target.lm_head.weight if vocab is None else vocab.weight
+    draft = draft_logits(head, target, seqs, h, lambda x: F.linear(x, w)).log_softmax(-1)
+    if vocab is not None:
+        t_ids_in = vocab.index[t_ids]
+        t_p = t_p * (t_ids_in >= 0)
+        t_p = t_p / t_p.sum(-1, keepdim=True).clamp(min=1e-9)
+        loss = -(t_p * draft.gather(-1, t_ids_in.clamp(min=0))).sum(-1).mean()
+        agree = (vocab.ids[draft.argmax(-1)] == t_ids[:, 0]).float().mean().item()
+        return loss, agree
+    loss = -(t_p * draft.gather(-1, t_ids)).sum(-1).mean()
     agree = (draft.argmax(-1) == t_ids[:, 0]).float().mean().item()
     return loss, agree
 
@@ -123,17 +183,25 @@ def self_generated_text(model_path: str, num: int, max_tokens: int, seed: int) -
 
 def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.0, steps: int | None = None,
                      seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3, group_size: int = 64,
-                     init: str = "mtp", seed: int = 0, pool_batches: int = 32, log=print) -> dict:
+                     init: str = "mtp", seed: int = 0, pool_batches: int = 32, held_text: str | None = None,
+                     chain_frac: float = 0.5, chain_depth: int = 2, loss_vocab_top: int = 0, log=print) -> dict:
     """Train, quantize, save; returns statistics (steps, loss, top-1 agreement of the float and
-    the int4 head with the teacher on held-out text)."""
+    the int4 head with the teacher on held-out text: held_text when given, which should come
+    from other prompts; else the last tenth of text). chain_frac of the positions train the
+    chained drafts (chained_hidden). loss_vocab_top > 0: the loss normalises over LossVocab (the
+    text's tokens and the teacher's top loss_vocab_top alternatives)."""
     torch.manual_seed(seed)
     cfg = ModelConfig.from_pretrained(model, dtype="float32")
     tok = Tokenizer(model)
     ids = np.asarray(tok.encode(text), dtype=np.int64)
-    split = int(len(ids) * 0.9)
-    train_ids, held_ids = ids[:split], ids[split:]
+    if held_text:
+        train_ids, held_ids = ids, np.asarray(tok.encode(held_text), dtype=np.int64)
+    else:
+        split = int(len(ids) * 0.9)
+        train_ids, held_ids = ids[:split], ids[split:]
     if len(held_ids) <= seq_len:
         held_ids = ids[-(seq_len + 1):]
+    gen = torch.Generator().manual_seed(seed)
     teacher = Teacher(cfg, batch_size, seq_len)
     target = teacher.model
     head = init_head(cfg, init, seed)
@@ -142,6 +210,10 @@ def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.
     # the teacher is frozen: its outputs for a pool of batches are computed once and reused
     pool = [next(_batches(train_ids, seq_len, batch_size, rng)) for _ in range(pool_batches)]
     cached = [(seqs, *teacher_targets(teacher, seqs)) for seqs in pool]
+    vocab = LossVocab.build([torch.from_numpy(train_ids)] + [c[3][..., :loss_vocab_top] for c in cached],
+                            target.lm_head.weight) if loss_vocab_top else None
+    if vocab is not None:
+        log(f"loss vocabulary: {len(vocab.ids)} tokens")
     t0 = time.time()
     step, loss_v, agree = 0, math.nan, 0.0
     total = steps if steps is not None else 10 ** 9
@@ -150,7 +222,8 @@ def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.
         frac = step / total if steps is not None else (time.time() - t0) / (minutes * 60)
         for g in opt.param_groups:   # cosine decay over the step (or time) budget
             g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-        loss, agree = head_loss(head, target, seqs, h, top_lp, top_ids)
+        h_in = chained_hidden(head, target, seqs, h, chain_frac, chain_depth, gen)
+        loss, agree = head_loss(head, target, seqs, h_in, top_lp, top_ids, vocab)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -166,9 +239,12 @@ def train_draft_head(model: str, text: str, out_dir: str, *, minutes: float = 3.
         _, agree_fp = head_loss(head, target, held, *targets)
         groups = quantize_head(head, group_size)
         _, agree_q = head_loss(head, target, held, *targets)
+        chained = chained_hidden(head, target, held, targets[0], 1.0, 1, gen)    # as draft 2 sees it
+        _, agree_chain = head_loss(head, target, held, chained, *targets[1:])
     stats = {"steps": step, "train_seconds": round(time.time() - t0, 1), "final_loss": loss_v,
              "heldout_top1_agreement_float": agree_fp, "heldout_top1_agreement_int4": agree_q,
-             "tokens": int(len(ids))}
+             "heldout_top1_agreement_int4_chained": agree_chain,
+             "tokens": int(len(train_ids)), "loss_vocab": len(vocab.ids) if vocab is not None else None}
     save_draft_head(out_dir, head, groups, cfg, target.lm_head.weight, source="train", stats=stats)
     log(f"saved the int4 draft head to {out_dir}: {stats}")
     return stats
