@@ -229,6 +229,7 @@ class GenerationHandler:
         thinking was asked for (enable_thinking) and the model opens the block itself; otherwise it
         holds from the first token (a weak model would otherwise escape it into a block of its own)."""
         so = structured_spec(req)
+        content_calls = so is None             # a structured-output answer is never read for calls
         tools = req.active_tools
         if tools and req.tool_choice not in (None, "auto", "none"):
             if self.tool_parser is None:
@@ -248,7 +249,8 @@ class GenerationHandler:
         tool_parser = self.tool_parser(tools) if tools and self.tool_parser is not None else None
         if self.reasoning is None and tool_parser is None:
             return None
-        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls) for _ in range(params.n)]
+        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls, content_calls)
+                for _ in range(params.n)]
 
     def _params(self, req) -> SamplingParams:
         params = req.sampling_params()
