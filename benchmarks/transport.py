@@ -54,7 +54,7 @@ def step_message(n: int, logprobs: int) -> M.StepOutputs:
     for i in range(n):
         lps = None
         if logprobs:
-            lps = [TokenLogprobs(1000 + i, -0.5, 1, [(1000 + j, -0.5 - j) for j in range(logprobs)])]
+            lps = [TokenLogprobs(1000 + i, -0.5, 1, tuple((1000 + j, -0.5 - j) for j in range(logprobs)))]
         outs.append(EngineCoreOutput(f"cmpl-{i:032x}", [1000 + i], lps, None, None, None, 1024, now, now, now, 0))
     return M.StepOutputs(outs)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from backboard.sampling_params import SamplingParams
 
 
@@ -54,14 +56,15 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one position: the chosen token's and the top-n."""
+class TokenLogprobs(msgspec.Struct, gc=False, array_like=True):
+    """Logprobs of one position: the chosen token's and the top-n. Never tracked by the garbage
+    collector (no references to anything but numbers; the tuples are untracked by its first young
+    pass): a front end holding a large response's logprobs gives its full passes nothing to scan."""
 
     token_id: int
     logprob: float
     rank: int                                     # 1 = most likely
-    top: list[tuple[int, float]]                  # [(token id, logprob)] best first
+    top: tuple[tuple[int, float], ...]            # ((token id, logprob), ...) best first
 
 
 @dataclass

@@ -84,7 +84,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: lis
     top_il = top_i.tolist() if top_i is not None else None
     for j, r in enumerate(rows):
         n = num_top[r]
-        top = list(zip(top_il[j][:n], top_vl[j][:n])) if n > 0 else []
+        top = tuple(zip(top_il[j][:n], top_vl[j][:n])) if n > 0 else ()
         out[r] = TokenLogprobs(chosen_l[j], chosen_lp_l[j], ranks_l[j], top)
     return out
 

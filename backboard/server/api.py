@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (streaming and not)
     POST /v1/responses                           (the Responses API; server/responses_api.py)
+    GET, DELETE /v1/responses/{id}               (stored responses; server/response_store.py)
     GET  /v1/models, /health, /metrics, /version
     POST /tokenize, /detokenize                  (vLLM's shapes)
 
@@ -34,7 +35,8 @@ from backboard.server.protocol import (
     TokenizeCompletionRequest,
     model_not_found,
 )
-from backboard.server.responses_api import ResponsesRequest, create_response
+from backboard.server.response_store import ResponseStore
+from backboard.server.responses_api import ResponsesAPI, ResponsesRequest
 from backboard.server.serving import GenerationHandler
 
 
@@ -71,6 +73,8 @@ def build_app(state: ServerState) -> FastAPI:
                             state.limits, state.max_model_len,
                             *output_parsers(state.reasoning_parser, state.tool_call_parser, state.tokenizer))
     state.limits = gen.limits                                  # resolved against max_model_len
+    responses_api = ResponsesAPI(gen, ResponseStore(state.limits.max_stored_responses,
+                                                    state.limits.max_stored_response_chars))
     app.add_middleware(BodyGuard, limits=state.limits)
     app.add_middleware(RequestGuard, state=state)              # outermost: sees every request
     install_error_handlers(app)
@@ -123,7 +127,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
     async def responses(raw: Request) -> Response:
-        return await create_response(gen, await checked(raw, ResponsesRequest), raw, _arrival(raw))
+        return await responses_api.create(await checked(raw, ResponsesRequest), raw, _arrival(raw))
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorized)])
+    async def get_response(response_id: str) -> dict:
+        return responses_api.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorized)])
+    async def delete_response(response_id: str) -> dict:
+        return responses_api.delete(response_id)
 
     # ---- models, tokenizer ----------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(authorized)])

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from backboard.server.reasoning import ReasoningDelta, ReasoningParser
 from backboard.server.tool_parsers import CallIndex, ToolCall, ToolCallDelta, ToolParser, merge_deltas
+from backboard.server.tool_parsers.base import StreamOut, ToolCallStream
 
 
 @dataclass
@@ -34,11 +35,15 @@ class ChatMessageParts:
 
 
 class ChoiceParser:
+    """`content_calls` False: the content is a structured-output grammar's (a JSON answer), never
+    read for calls, so a call marker inside one of its strings cannot cut it; calls made inside
+    the reasoning block are still returned."""
+
     def __init__(self, reasoning: ReasoningParser | None, reasoning_state: str,
-                 tools: ToolParser | None, parallel_tool_calls: bool = True) -> None:
+                 tools: ToolParser | None, parallel_tool_calls: bool = True, content_calls: bool = True) -> None:
         self.reasoning = reasoning.stream(reasoning_state) if reasoning is not None else None
         counter = CallIndex(max_calls=None if parallel_tool_calls else 1)
-        self.in_content = tools.stream(counter) if tools is not None else None
+        self.in_content = tools.stream(counter) if tools is not None and content_calls else None
         self.in_reasoning = tools.stream(counter) if tools is not None else None
         self.num_calls = 0
 
@@ -49,8 +54,8 @@ class ChoiceParser:
     def finish(self) -> DeltaMessage:
         rd = self.reasoning.finish() if self.reasoning is not None else ReasoningDelta()
         out = self._calls(rd)
-        if self.in_content is not None:
-            a, b = self.in_reasoning.finish(), self.in_content.finish()
+        if self.in_reasoning is not None:
+            a, b = self.in_reasoning.finish(), _finish(self.in_content)
             out = out.add(DeltaMessage(a.content, b.content, a.calls + b.calls))
         self.num_calls += len({d.index for d in out.tool_calls if d.id is not None})
         return out
@@ -62,12 +67,17 @@ class ChoiceParser:
         return ChatMessageParts(d.reasoning or None, content, calls)
 
     def _calls(self, rd: ReasoningDelta) -> DeltaMessage:
-        if self.in_content is None:
+        if self.in_reasoning is None:
             return DeltaMessage(rd.reasoning, rd.content)
-        a, b = self.in_reasoning.feed(rd.reasoning), self.in_content.feed(rd.content)
+        a = self.in_reasoning.feed(rd.reasoning)
+        b = self.in_content.feed(rd.content) if self.in_content is not None else StreamOut(rd.content)
         out = DeltaMessage(a.content, b.content, a.calls + b.calls)
         self.num_calls += len({d.index for d in out.tool_calls if d.id is not None})
         return out
+
+
+def _finish(stream: ToolCallStream | None) -> StreamOut:
+    return stream.finish() if stream is not None else StreamOut()
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:

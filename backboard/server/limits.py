@@ -21,6 +21,8 @@ Every request's work in the HTTP process is bounded before it is done:
     connections  headers must be complete within header_timeout of the connection opening (or
                  of a new request starting on it): idle and slow-loris connections are closed;
                  between requests, keep_alive_timeout.
+    store        /v1/responses kept for previous_response_id: at most max_stored_responses
+                 responses and max_stored_response_chars characters in all (an LRU).
 
 The settings are fields of ServerLimits, defined once: `backboard serve` builds its flags from
 them (add_limit_args) the way engine/cli.py does for EngineArgs."""
@@ -76,6 +78,12 @@ class ServerLimits:
               "it opened or its request began (idle and slow-loris connections)")
     body_timeout: float = _limit(60.0, "seconds: a request body must arrive within this time (else 408)")
     keep_alive_timeout: float = _limit(30.0, "seconds: close a keep-alive connection idle this long between requests")
+    max_stored_responses: int = _limit(
+        1024, "/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} "
+              "(least recently used dropped first)")
+    max_stored_response_chars: int = _limit(
+        32 * MIB, "characters of conversation all stored /v1/responses hold together (least recently "
+                  "used dropped first)")
 
     def resolve(self, max_model_len: int) -> "ServerLimits":
         """The derived defaults filled in; raises ValueError on a nonsensical setting."""

@@ -20,11 +20,17 @@ _SLICE = 256                    # list items per piece when a large body is enco
 _PIECE_DEPTH = 4                # containers this deep or deeper are encoded whole (or sliced)
 
 
+class RawJSON(str):
+    """JSON text already encoded (a large body's logprobs): dumps_pieces emits it as it is."""
+
+
 def dumps_pieces(obj: Any, depth: int = 0) -> Iterator[str]:
     """dumps(obj), in pieces that concatenate to it: long lists are encoded a slice at a time, so
     the encoder never runs long without letting go of the GIL (large bodies are encoded on a
-    worker thread while the event loop keeps serving)."""
-    if isinstance(obj, list) and len(obj) > _SLICE:
+    worker thread while the event loop keeps serving). RawJSON values go out as they are."""
+    if isinstance(obj, RawJSON):
+        yield obj
+    elif isinstance(obj, list) and len(obj) > _SLICE and not isinstance(obj[0], (dict, list, RawJSON)):
         yield "["
         for i in range(0, len(obj), _SLICE):
             yield ("," if i else "") + dumps(obj[i:i + _SLICE])[1:-1]
@@ -101,9 +107,11 @@ def _lp(x: float) -> float:
     return max(float(x), _MIN_LOGPROB)
 
 
-def completion_logprobs(lps: list[TokenLogprobs], tt: TokenText, text_offset: int) -> tuple[dict, int]:
+def completion_logprobs(lps: list[TokenLogprobs], tt: TokenText, text_offset: int,
+                        as_text: bool = False) -> tuple[dict | RawJSON, int]:
     """OpenAI's completions format {tokens, token_logprobs, top_logprobs, text_offset}; returns it
-    and the text offset after these tokens (to continue across streamed chunks)."""
+    and the text offset after these tokens (to continue across streamed chunks). `as_text`: as
+    encoded JSON (see chat_logprobs)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for lp in lps:
         piece = tt.piece(lp.token_id)
@@ -111,22 +119,31 @@ def completion_logprobs(lps: list[TokenLogprobs], tt: TokenText, text_offset: in
         token_lps.append(_lp(lp.logprob))
         top = {tt.piece(t): _lp(v) for t, v in lp.top}
         top.setdefault(piece, _lp(lp.logprob))
-        tops.append(top)
+        tops.append(dumps(top) if as_text else top)
         offsets.append(text_offset)
         text_offset += len(piece)
+    if as_text:
+        return RawJSON(f'{{"tokens":{dumps(tokens)},"token_logprobs":{dumps(token_lps)},"top_logprobs":'
+                       f'[{",".join(tops)}],"text_offset":{dumps(offsets)}}}'), text_offset
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}, text_offset
 
 
-def chat_logprobs(lps: list[TokenLogprobs], tt: TokenText) -> dict:
-    """OpenAI's chat format {content: [{token, logprob, bytes, top_logprobs: [...]}]}."""
-    content = []
-    for lp in lps:
-        content.append({
-            "token": tt.piece(lp.token_id), "logprob": _lp(lp.logprob), "bytes": tt.bytes(lp.token_id),
-            "top_logprobs": [{"token": tt.piece(t), "logprob": _lp(v), "bytes": tt.bytes(t)}
-                             for t, v in lp.top]})
-    return {"content": content, "refusal": None}
+def chat_logprobs(lps: list[TokenLogprobs], tt: TokenText, as_text: bool = False) -> dict | RawJSON:
+    """OpenAI's chat format {content: [{token, logprob, bytes, top_logprobs: [...]}]}.
+
+    `as_text`: the same as encoded JSON, each token's entry encoded as it is made: a large body
+    then holds a few strings per token instead of ~2 + top-n dicts and lists that the garbage
+    collector's full passes would scan (holding the GIL, stalling the event loop)."""
+    if as_text:
+        entries = ",".join(dumps(_chat_entry(lp, tt)) for lp in lps)
+        return RawJSON(f'{{"content":[{entries}],"refusal":null}}')
+    return {"content": [_chat_entry(lp, tt) for lp in lps], "refusal": None}
+
+
+def _chat_entry(lp: TokenLogprobs, tt: TokenText) -> dict:
+    return {"token": tt.piece(lp.token_id), "logprob": _lp(lp.logprob), "bytes": tt.bytes(lp.token_id),
+            "top_logprobs": [{"token": tt.piece(t), "logprob": _lp(v), "bytes": tt.bytes(t)} for t, v in lp.top]}
 
 
 def prompt_logprobs(plps: list[dict[int, float] | None] | None, tt: TokenText) -> list | None:

@@ -8,29 +8,39 @@ template rendering, grammars (structured output, tool_choice required / named), 
 tool-call parsers. Its output becomes output items in order: a `reasoning` item, a `message` item
 (output_text), one `function_call` item per call. Streamed, the items open and close one after
 another with the events the openai client folds into a Response (response.created ...
-response.completed / response.incomplete). Nothing is stored: `previous_response_id` is a 400."""
+response.completed / response.incomplete; server/responses_stream.py).
+
+Logprobs: `include: ["message.output_text.logprobs"]` (with `top_logprobs`, 0-20) asks for the
+logprobs of the message's tokens, in each output_text part (and each output_text delta streamed).
+When the output also has a reasoning block the message's are the trailing tokens that make its
+text; next to function calls the message carries none.
+
+Stored responses (server/response_store.py): unless `store` is false, a finished response is kept
+with its conversation (input items and output items) in a bounded LRU; `previous_response_id`
+continues that conversation (the new input appended to it; instructions are not carried over, as
+in OpenAI's API), and GET / DELETE /v1/responses/{id} read and drop one."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from backboard.engine.request_stream import EngineDeadError, RequestDelta
-from backboard.server import responses as R
-from backboard.server.chat_output import DeltaMessage, finish_reason
+from backboard.server import responses_items as I
 from backboard.server.errors import APIError, bad_request
 from backboard.server.protocol import ChatCompletionRequest, _Open
+from backboard.server.response_store import ResponseStore
+from backboard.server.responses_stream import ResponseEvents
 from backboard.server.serving import GenerationHandler, SSEResponse
 
 # chat-side parameter names -> the Responses request's fields (in 400s)
 _PARAM = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
-          "prompt": "input"}
+          "prompt": "input", "top_logprobs": "top_logprobs", "logprobs": "include"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class ResponsesRequest(_Open):
@@ -47,17 +57,22 @@ class ResponsesRequest(_Open):
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     previous_response_id: str | None = None
+    store: bool = True
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None     # vLLM's extension, as in chat
     metadata: dict[str, Any] | None = None
 
 
 # ---- request -> chat request ------------------------------------------------------------------
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request this Responses request means (400s name the Responses field)."""
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported (responses are not stored): send the "
-                          "conversation in input", "previous_response_id")
-    body: dict[str, Any] = {"model": req.model, "messages": input_messages(req.input, req.instructions),
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return LOGPROBS_INCLUDE in (req.include or ())
+
+
+def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request this Responses request means, its conversation being `items` (400s name
+    the Responses field)."""
+    body: dict[str, Any] = {"model": req.model, "messages": input_messages(items, req.instructions),
                             "max_tokens": req.max_output_tokens, "temperature": req.temperature,
                             "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
                             "chat_template_kwargs": _template_kwargs(req)}
@@ -65,6 +80,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if wants_logprobs(req):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     fmt = (req.text or {}).get("format")
     if fmt is not None:
         body["response_format"] = _response_format(fmt)
@@ -174,26 +191,65 @@ def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
     return kw or None
 
 
-# ---- the endpoint -------------------------------------------------------------------------------
-async def create_response(gen: GenerationHandler, req: ResponsesRequest, raw: Request, arrival: float) -> Response:
-    chat = to_chat_request(req)
-    try:
-        started = await gen.start_chat(chat, raw, arrival)
-    except APIError as e:
-        e.param = _PARAM.get(e.param, e.param)
-        raise
-    if started is None:
-        return Response(status_code=499)            # the client is gone (nobody reads this)
-    call, first = started
-    head = _head(req, call.request_id, chat.model or gen.model_name)
-    headers = {"x-request-id": call.request_id}
-    if req.stream:
-        events = ResponseEvents(head).run(call, first, gen)
-        return SSEResponse(events, on_close=lambda: gen.engine.abort(call.request_id), headers=headers)
-    body = await gen.collect(call, first, raw)
-    if body is None:
-        return Response(status_code=499)
-    return JSONResponse(whole_response(head, body), headers=headers)
+# ---- the endpoints ------------------------------------------------------------------------------
+class ResponsesAPI:
+    """POST /v1/responses, and GET / DELETE /v1/responses/{id} on the store."""
+
+    def __init__(self, gen: GenerationHandler, store: ResponseStore) -> None:
+        self.gen, self.store = gen, store
+
+    async def create(self, req: ResponsesRequest, raw: Request, arrival: float) -> Response:
+        items = self.conversation(req)
+        chat = to_chat_request(req, items)
+        try:
+            started = await self.gen.start_chat(chat, raw, arrival)
+        except APIError as e:
+            e.param = _PARAM.get(e.param, e.param)
+            raise
+        if started is None:
+            return Response(status_code=499)            # the client is gone (nobody reads this)
+        call, first = started
+        head = _head(req, call.request_id, chat.model or self.gen.model_name)
+        headers = {"x-request-id": call.request_id}
+        on_done = (lambda final: self.store.put(final, items)) if req.store else None
+        if req.stream:
+            tt = self.gen.tt if wants_logprobs(req) else None
+            events = ResponseEvents(head, tt, on_done).run(call, first)
+            return SSEResponse(events, on_close=lambda: self.gen.engine.abort(call.request_id), headers=headers)
+        body = await self.gen.collect(call, first, raw)
+        if body is None:
+            return Response(status_code=499)
+        final = whole_response(head, body)
+        if on_done is not None:
+            on_done(final)
+        return JSONResponse(final, headers=headers)
+
+    def conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The input items, after the stored conversation of previous_response_id."""
+        items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
+            else list(req.input)
+        if req.previous_response_id is None:
+            return items
+        prev = self.store.get(req.previous_response_id)
+        if prev is None:
+            raise bad_request(f"Previous response with id '{req.previous_response_id}' not found (never "
+                              "stored, or evicted from the server's bounded store)", "previous_response_id")
+        return prev.items + items
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        return entry.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
 
 
 def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
@@ -203,18 +259,9 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
             "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
             "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
-            "metadata": req.metadata or {}, "previous_response_id": None, "store": False,
-            "background": False, "truncation": "disabled", "error": None}
-
-
-def _finish(head: dict[str, Any], output: list[dict], finish: str | None, num_prompt: int,
-            num_output: int) -> dict[str, Any]:
-    incomplete = finish == "length"
-    return {**head, "status": "incomplete" if incomplete else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output": output,
-            "usage": {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": num_prompt + num_output}}
+            "metadata": req.metadata or {}, "previous_response_id": req.previous_response_id,
+            "store": req.store, "top_logprobs": req.top_logprobs, "background": False,
+            "truncation": "disabled", "error": None}
 
 
 def whole_response(head: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, Any]:
@@ -223,162 +270,27 @@ def whole_response(head: dict[str, Any], chat_body: dict[str, Any]) -> dict[str,
     m, done = choice["message"], "incomplete" if choice["finish_reason"] == "length" else "completed"
     output = []
     if m.get("reasoning_content"):
-        output.append(reasoning_item(_new_id("rs_"), m["reasoning_content"], "completed"))
+        output.append(I.reasoning_item(I.new_id("rs_"), m["reasoning_content"], "completed"))
     if m.get("content"):
-        output.append(message_item(_new_id("msg_"), m["content"], done))
+        lps = _message_logprobs(choice.get("logprobs"), m)
+        output.append(I.message_item(I.new_id("msg_"), m["content"], done, lps))
     for c in m.get("tool_calls") or ():
-        output.append(call_item(_new_id("fc_"), c["id"], c["function"]["name"], c["function"]["arguments"],
-                                "completed"))
-    return _finish(head, output, choice["finish_reason"], u["prompt_tokens"], u["completion_tokens"])
+        output.append(I.call_item(I.new_id("fc_"), c["id"], c["function"]["name"], c["function"]["arguments"],
+                                  "completed"))
+    cached = u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return I.finished(head, output, choice["finish_reason"], u["prompt_tokens"], u["completion_tokens"], cached)
 
 
-def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
-
-
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [output_text(text)]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
-
-
-# ---- streaming ----------------------------------------------------------------------------------
-class _Item:
-    """An output item being streamed: its kind, id, index in `output`, and text so far."""
-
-    def __init__(self, kind: str, index: int, call_id: str | None = None, name: str | None = None) -> None:
-        self.kind, self.index = kind, index
-        self.id = _new_id({"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}[kind])
-        self.call_id, self.name, self.text = call_id, name, ""
-
-    def final(self, status: str = "completed") -> dict[str, Any]:
-        if self.kind == "reasoning":
-            return reasoning_item(self.id, self.text, status)
-        if self.kind == "message":
-            return message_item(self.id, self.text, status)
-        return call_item(self.id, self.call_id or "", self.name or "", self.text, status)
-
-
-class ResponseEvents:
-    """The event stream of one response: items open as their first text arrives and close when
-    another one opens (or at the end). Whitespace between reasoning and calls opens no message."""
-
-    def __init__(self, head: dict[str, Any]) -> None:
-        self.head, self.seq = head, 0
-        self.items: list[_Item] = []
-        self.open: _Item | None = None
-        self.calls: dict[int, _Item] = {}         # tool-call index -> its item
-        self.held = ""                            # content that is only whitespace so far
-
-    async def run(self, call, first: list[RequestDelta], gen: GenerationHandler) -> AsyncIterator[bytes]:
-        out: list[bytes] = [self.event("response.created", response={**self.head, "status": "in_progress",
-                                                                     "output": []}),
-                            self.event("response.in_progress", response={**self.head, "status": "in_progress",
-                                                                         "output": []})]
-        parser = call.parsers[0] if call.parsers else None
-        finish, num_output, deltas = None, 0, first
-        try:
-            while deltas:
-                for d in (c for rd in deltas for c in rd.outputs):
-                    dm = parser.feed(d.text) if parser is not None else DeltaMessage(content=d.text)
-                    if d.finish_reason is not None and parser is not None:
-                        dm = dm.add(parser.finish())
-                    num_output += len(d.token_ids)
-                    out += self.feed(dm)
-                    finish = finish_reason(d.finish_reason, bool(self.calls)) or finish
-                if out:
-                    yield b"".join(out)
-                    out = []
-                deltas = await call.stream.get()
-        except EngineDeadError as e:
-            yield self.event("error", code="server_error", message=str(e), param=None)
-            return
-        yield b"".join(self.end(finish, call.stream.num_prompt_tokens, num_output))
-
-    def event(self, type_: str, **fields: Any) -> bytes:
-        self.seq += 1
-        return b"event: " + type_.encode() + b"\n" + R.sse({"type": type_, "sequence_number": self.seq - 1,
-                                                            **fields})
-
-    def feed(self, dm: DeltaMessage) -> list[bytes]:
-        out = self._text("reasoning", dm.reasoning) if dm.reasoning else []
-        if dm.content:
-            text = self.held + dm.content
-            if not text.strip() and not (self.open is not None and self.open.kind == "message"):
-                self.held = text                  # whitespace before any answer text: held back
-            else:
-                self.held = ""
-                out += self._text("message", text)
-        return out + self._calls(dm)
-
-    def _text(self, kind: str, text: str) -> list[bytes]:
-        out = [] if self.open is not None and self.open.kind == kind else self._start(kind)
-        it = self.open
-        it.text += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return out + [self.event(name, item_id=it.id, output_index=it.index, content_index=0, delta=text, **extra)]
-
-    def _calls(self, dm: DeltaMessage) -> list[bytes]:
-        out = []
-        for t in dm.tool_calls:
-            it = self.calls.get(t.index)
-            if it is None:
-                out += self._start("function_call", t.id, t.name)
-                it = self.calls[t.index] = self.open
-            if t.arguments:
-                it.text += t.arguments
-                out.append(self.event("response.function_call_arguments.delta", item_id=it.id,
-                                      output_index=it.index, delta=t.arguments))
-        return out
-
-    def _start(self, kind: str, call_id: str | None = None, name: str | None = None) -> list[bytes]:
-        out = self._close()
-        it = self.open = _Item(kind, len(self.items), call_id, name)
-        self.items.append(it)
-        out.append(self.event("response.output_item.added", output_index=it.index,
-                              item=it.final("in_progress") if kind == "function_call" else
-                              (reasoning_item if kind == "reasoning" else message_item)(it.id, None, "in_progress")))
-        if kind != "function_call":
-            part = output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
-            out.append(self.event("response.content_part.added", item_id=it.id, output_index=it.index,
-                                  content_index=0, part=part))
-        return out
-
-    def _close(self, status: str = "completed") -> list[bytes]:
-        it, self.open = self.open, None
-        if it is None:
-            return []
-        ids = {"item_id": it.id, "output_index": it.index}
-        if it.kind == "function_call":
-            out = [self.event("response.function_call_arguments.done", arguments=it.text, **ids)]
-        else:
-            part = it.final(status)["content"][0]
-            name = "response.reasoning_text.done" if it.kind == "reasoning" else "response.output_text.done"
-            extra = {} if it.kind == "reasoning" else {"logprobs": []}
-            out = [self.event(name, content_index=0, text=it.text, **ids, **extra),
-                   self.event("response.content_part.done", content_index=0, part=part, **ids)]
-        return out + [self.event("response.output_item.done", output_index=it.index, item=it.final(status))]
-
-    def end(self, finish: str | None, num_prompt: int, num_output: int) -> list[bytes]:
-        out = []
-        if self.held and not self.calls:              # an answer of whitespace only
-            out += self._text("message", self.held)
-        status = "incomplete" if finish == "length" else "completed"
-        out += self._close(status if self.open is not None and self.open.kind == "message" else "completed")
-        final = _finish(self.head, [it.final(status if it.kind == "message" else "completed") for it in self.items],
-                        finish, num_prompt, num_output)
-        return out + [self.event("response." + final["status"], response=final)]
+def _message_logprobs(logprobs: dict | None, m: dict[str, Any]) -> list[dict]:
+    """The message's share of the choice's logprobs: all of them when the message is the whole
+    output; after a reasoning block, the trailing tokens that make its text; none next to calls."""
+    entries = (logprobs or {}).get("content") or []
+    if not entries or m.get("tool_calls"):
+        return []
+    if not m.get("reasoning_content"):
+        return entries
+    need, n = len(m["content"]), 0
+    while n < len(entries) and need > 0:
+        n += 1
+        need -= len(entries[-n]["token"])
+    return entries[len(entries) - n:]

@@ -229,6 +229,7 @@ class GenerationHandler:
         thinking was asked for (enable_thinking) and the model opens the block itself; otherwise it
         holds from the first token (a weak model would otherwise escape it into a block of its own)."""
         so = structured_spec(req)
+        content_calls = so is None             # a structured-output answer is never read for calls
         tools = req.active_tools
         if tools and req.tool_choice not in (None, "auto", "none"):
             if self.tool_parser is None:
@@ -248,7 +249,8 @@ class GenerationHandler:
         tool_parser = self.tool_parser(tools) if tools and self.tool_parser is not None else None
         if self.reasoning is None and tool_parser is None:
             return None
-        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls) for _ in range(params.n)]
+        return [ChoiceParser(self.reasoning, state, tool_parser, req.parallel_tool_calls, content_calls)
+                for _ in range(params.n)]
 
     def _params(self, req) -> SamplingParams:
         params = req.sampling_params()
@@ -347,11 +349,12 @@ class GenerationHandler:
         return whole
 
     def _encode_body(self, call: _Call, whole: "_Whole") -> bytes:
-        return "".join(R.dumps_pieces(self._body(call, whole))).encode()
+        return "".join(R.dumps_pieces(self._body(call, whole, lp_text=True))).encode()
 
-    def _body(self, call: _Call, whole: "_Whole") -> dict:
+    def _body(self, call: _Call, whole: "_Whole", lp_text: bool = False) -> dict:
+        """The whole response; `lp_text`: logprobs as encoded JSON (for dumps_pieces only)."""
         want_lp = call.params.logprobs is not None
-        choices = [self._choice(call, whole, i, want_lp) for i in range(call.params.n)]
+        choices = [self._choice(call, whole, i, want_lp, lp_text) for i in range(call.params.n)]
         body = R.body(call.kind.object, call.request_id, call.created, call.model, choices,
                       R.usage(call.stream.num_prompt_tokens, whole.num_output_tokens, call.stream.num_cached_tokens))
         if call.want_timing:
@@ -359,11 +362,11 @@ class GenerationHandler:
             body["backboard_timing"] = self._timing(call)
         return body
 
-    def _choice(self, call: _Call, whole: "_Whole", i: int, want_lp: bool) -> dict:
+    def _choice(self, call: _Call, whole: "_Whole", i: int, want_lp: bool, lp_text: bool) -> dict:
         text, lps = "".join(whole.text[i]), whole.logprobs[i]
         finish, stop = whole.finish[i]
         if call.kind.chat:
-            lp = R.chat_logprobs(lps, self.tt) if want_lp else None
+            lp = R.chat_logprobs(lps, self.tt, lp_text) if want_lp else None
             if call.parsers is not None:
                 parts = call.parsers[i].whole(text)
                 calls = [c.as_openai() for c in parts.tool_calls]
@@ -372,7 +375,7 @@ class GenerationHandler:
             else:
                 choice = R.chat_choice(i, text, lp, finish, stop)
         else:
-            lp = R.completion_logprobs(lps, self.tt, 0)[0] if want_lp else None
+            lp = R.completion_logprobs(lps, self.tt, 0, lp_text)[0] if want_lp else None
             choice = R.completion_choice(i, text, lp, finish, stop)
         if whole.prompt_logprobs is not None:
             choice["prompt_logprobs"] = R.prompt_logprobs(whole.prompt_logprobs, self.tt)

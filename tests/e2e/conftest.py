@@ -85,14 +85,14 @@ def _children(pid: int) -> list[int]:
 
 
 def start_server(model: str, log_dir: Path, *args: str, api_key: str | None = None,
-                 wait: bool = True) -> ServerProc:
+                 wait: bool = True, env: dict[str, str] | None = None) -> ServerProc:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "backboard.cli", "serve", model, "--host", "127.0.0.1", "--port",
            str(port), "--served-model-name", SERVED_NAME, "--log-level", "info", *args]
     if api_key:
         cmd += ["--api-key", api_key]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProc(proc, f"http://127.0.0.1:{port}", log_path, model, api_key)
@@ -130,6 +130,45 @@ def api_server(server_model, tmp_path_factory):
     yield server
     rc = server.stop()
     assert rc == 0, server.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(request) -> tuple[str, str]:
+    """(cache dir, GGUF path) of the real SmolLM2-135M-Instruct, fetched once into pytest's cache."""
+    from backboard.models.smollm2 import fetch_smollm2
+
+    cache = str(request.config.cache.mkdir("backboard-smollm2"))
+    return cache, fetch_smollm2(cache)
+
+
+SMOLLM2_ARGS = ("--max-model-len", "1024", "--dtype", "bfloat16", "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="session")
+def smollm2_servers(smollm2_cache, tmp_path_factory):
+    """Two servers on the real SmolLM2 (hermes tool calls), started once and side by side:
+    speculation off, and n-gram speculation (k = 3)."""
+    cache, gguf = smollm2_cache
+    env = {"BACKBOARD_CACHE": cache}             # the conversion is cached with the file
+    d = tmp_path_factory.mktemp("smollm2")
+    off = start_server(gguf, d, *SMOLLM2_ARGS, env=env, wait=False)
+    _wait_for_log(off, "serving ")            # converted (once): the second server reuses it
+    ngram = start_server(gguf, d, *SMOLLM2_ARGS, "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 3}', env=env, wait=False)
+    for s in (off, ngram):
+        wait_healthy(s)
+    yield {"off": off, "ngram": ngram}
+    for s in (off, ngram):
+        assert s.stop() == 0, s.log()[-3000:]
+
+
+def _wait_for_log(server: ServerProc, text: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in server.log():
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise RuntimeError(f"backboard serve never logged {text!r}:\n{server.log()[-3000:]}")
+        time.sleep(0.25)
 
 
 @pytest.fixture

@@ -141,6 +141,56 @@ def test_reasoning_whole_and_streamed(server):
     assert [o.type for o in off.output] == ["message"]
 
 
+LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=3)
+
+
+def _lps(entries) -> list:
+    return [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in entries]
+
+
+def test_logprobs_whole_and_streamed_match_chat(server):
+    r = create(server, max_output_tokens=12, **LOGPROBS)
+    ref = chat(server, [{"role": "user", "content": ASK}], max_tokens=12, logprobs=True, top_logprobs=3)
+    want = _lps(ref.choices[0].logprobs.content)
+    part = r.output[0].content[0]
+    assert _lps(part.logprobs) == want and want
+    assert all(len(t.top_logprobs) == 3 and t.bytes for t in part.logprobs)
+    assert create(server, max_output_tokens=4).output[0].content[0].logprobs == []     # not asked for
+    streamed_lps = []
+    for ev in create(server, stream=True, max_output_tokens=12, **LOGPROBS):
+        if ev.type == "response.output_text.delta":
+            streamed_lps += [(t.token, t.logprob) for t in ev.logprobs]
+        elif ev.type == "response.output_text.done":
+            assert [(t.token, t.logprob) for t in ev.logprobs] == [w[:2] for w in want]
+    assert streamed_lps == [w[:2] for w in want]
+
+
+def test_store_and_previous_response_id_continue_the_conversation(server):
+    first = create(server, input="My name is Ada.", max_output_tokens=6)
+    assert first.store is True
+    follow = create(server, input="What is my name?", previous_response_id=first.id, max_output_tokens=6)
+    assert follow.previous_response_id == first.id
+    history = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "What is my name?"}]
+    ref = chat(server, history, max_tokens=6)
+    assert follow.usage.input_tokens == ref.usage.prompt_tokens
+    assert follow.output_text == ref.choices[0].message.content
+    # streamed, and a chain of three
+    final, _, _ = streamed(server, input="And again?", previous_response_id=follow.id, max_output_tokens=4)
+    third = create(server, input="Thanks.", previous_response_id=final.id, max_output_tokens=2)
+    assert third.usage.input_tokens > follow.usage.input_tokens + 8
+    # GET and DELETE
+    c = client(server)
+    assert c.responses.retrieve(follow.id).output_text == follow.output_text
+    c.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(follow.id)
+    unstored = create(server, input="Forget this.", store=False, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        create(server, input="x", previous_response_id=unstored.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"previous_response_id": "resp_x"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -149,6 +199,7 @@ def test_reasoning_whole_and_streamed(server):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}}, "text"),
     ({"tools": RESP_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

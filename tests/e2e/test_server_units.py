@@ -50,6 +50,63 @@ def test_logprob_formats_clamp_and_offsets():
     R.dumps(body)                                  # valid JSON (no -inf)
 
 
+def test_logprobs_as_text_encode_exactly_like_the_dicts():
+    """A large body's logprobs are encoded as they are made (no tree of small objects for the
+    collector); the bytes are the same."""
+    class TT:
+        piece = staticmethod(lambda t: {1: "ab", 2: 'c"', 3: "ab"}[t])
+        bytes = staticmethod(lambda t: [t, 7])
+
+    lps = [TokenLogprobs(1, -0.5, 1, [(1, -0.5), (2, float("-inf")), (3, -2.0)]),
+           TokenLogprobs(2, -1.0, 2, [(1, -0.1)])]
+    for fmt in (lambda text: R.chat_logprobs(lps, TT, text), lambda text: R.completion_logprobs(lps, TT, 3, text)[0]):
+        body = R.body("x", "id", 0, "m", [R.chat_choice(0, "t", fmt(False), "stop")] * 3)
+        raw = R.body("x", "id", 0, "m", [R.chat_choice(0, "t", fmt(True), "stop")] * 3)
+        assert "".join(R.dumps_pieces(raw)) == R.dumps(body)
+
+
+def test_a_large_bodys_logprobs_leave_the_collector_little_to_scan():
+    """n=8 x 1500 tokens x top-20 logprobs (about the largest non-streamed chat body the default
+    limits allow), as the front end holds them: decoded from the engine's frames, then encoded by
+    the body thread. Each full collection scans every tracked object with the GIL held; before
+    the fix these were ~24 per token (TokenLogprobs and its list, then the body's entry dict, top
+    list and 20 top dicts: 290,000 here) and /health stalled up to 0.9 s (issue 14). Now a few."""
+    import gc
+    import time
+
+    import msgspec
+
+    from backboard.core.outputs import EngineCoreOutput
+
+    n, tokens, top = 8, 1500, 20
+    enc = msgspec.msgpack.Encoder()
+    frames = [enc.encode([EngineCoreOutput(f"r{i}", [t], [TokenLogprobs(t, -0.5, 1, tuple(
+        (t + j, -1.0 - j) for j in range(top)))]) for i in range(n)]) for t in range(tokens)]
+    pieces = {t: f"t{t}" for t in range(tokens + top)}
+    raw = {t: list(p.encode()) for t, p in pieces.items()}
+
+    class TT:
+        piece = staticmethod(pieces.__getitem__)
+        bytes = staticmethod(raw.__getitem__)
+
+    dec = msgspec.msgpack.Decoder(list[EngineCoreOutput])
+    gc.collect()
+    before = len(gc.get_objects())
+    held: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+    for f in frames:
+        for i, eco in enumerate(dec.decode(f)):
+            held[i].extend(eco.new_logprobs)
+    body = R.body("chat.completion", "id", 0, "m", [R.chat_choice(i, "x", R.chat_logprobs(held[i], TT, True), "length")
+                                                     for i in range(n)])
+    gc.collect()
+    tracked = len(gc.get_objects()) - before
+    t0 = time.perf_counter()
+    gc.collect()
+    print(f"tracked objects added: {tracked}; a full collection: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    assert tracked < 1000, tracked
+    assert len("".join(R.dumps_pieces(body))) > 10_000_000
+
+
 def test_metrics_follow_engine_stats():
     m = ServerMetrics("m", num_spec_tokens=2)
 

@@ -21,7 +21,7 @@ def _request(i: int) -> EngineCoreRequest:
 
 
 def _output(i: int) -> EngineCoreOutput:
-    lp = TokenLogprobs(5, -0.25, 1, [(5, -0.25), (9, -1.5)])
+    lp = TokenLogprobs(5, -0.25, 1, ((5, -0.25), (9, -1.5)))
     return EngineCoreOutput(f"req-{i}", [5, 6], [lp, lp], [None, lp], "stop" if i else None,
                             "END" if i == 1 else (7 if i == 2 else None), 4, 1.5, 2.5, 3.5, i)
 
@@ -48,7 +48,7 @@ def test_outputs_round_trip():
     assert got == msgs
     out = got[3].outputs[2]
     assert isinstance(out, EngineCoreOutput) and isinstance(out.new_logprobs[0], TokenLogprobs)
-    assert out.new_prompt_logprobs[0] is None and out.new_logprobs[1].top == [(5, -0.25), (9, -1.5)]
+    assert out.new_prompt_logprobs[0] is None and out.new_logprobs[1].top == ((5, -0.25), (9, -1.5))
     assert out.stop_reason == 7 and got[3].outputs[1].stop_reason == "END"
     assert got[3].rejected == [("req-3", "too long")] and got[4].is_empty and not got[3].is_empty
 

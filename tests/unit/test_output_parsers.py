@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from backboard.server.chat_output import ChoiceParser
 from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, Qwen3ReasoningParser
 from backboard.server.tool_parsers import CallIndex, HermesToolParser, QwenXmlToolParser, merge_deltas
 from backboard.server.tool_parsers.qwen_xml import convert_value
@@ -104,6 +105,32 @@ def test_hermes_malformed_call_is_content():
     text = "a <tool_call>not json</tool_call> b"
     content, calls = HermesToolParser(TOOLS).parse(text)
     assert calls == [] and content == text
+
+
+def test_hermes_end_tag_inside_an_argument_string_does_not_end_the_call():
+    """A grammar-constrained call may carry `</tool_call>` in a string argument: the call ends at the
+    first tag outside a JSON string, in every chunking."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b\\" </tool_call>"}}\n'
+            '</tool_call> after')
+    for chunks in chunkings(text):
+        content, deltas = run_tools(HermesToolParser(TOOLS), text, chunks)
+        calls = merge_deltas(deltas)
+        assert content == " after"
+        assert json.loads(calls[0].arguments) == {"city": 'a</tool_call>b" </tool_call>'}
+
+
+def test_structured_output_content_is_never_read_for_calls():
+    """A JSON answer (response_format with tools given, tool_choice auto) whose string holds a call
+    marker comes back whole; a call inside the reasoning block is still returned."""
+    answer = '{"note": "x<tool_call>y", "name": "bob"}'
+    whole = ChoiceParser(None, IN_CONTENT, HermesToolParser(TOOLS), content_calls=False).whole(answer)
+    assert (whole.content, whole.tool_calls) == (answer, [])
+    cut = ChoiceParser(None, IN_CONTENT, HermesToolParser(TOOLS)).whole(answer)
+    assert cut.content != answer                       # what a call parser on the content did
+    think = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call></think>' + answer
+    p = ChoiceParser(Qwen3ReasoningParser(FakeTok()), IN_REASONING, HermesToolParser(TOOLS), content_calls=False)
+    whole = p.whole(think)
+    assert whole.content == answer and [c.name for c in whole.tool_calls] == ["noop"]
 
 
 XML = ("I will call it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"

@@ -89,6 +89,10 @@ class CallState:
         complete body is not a call."""
         raise NotImplementedError
 
+    def end_at(self, body: str, text: str, end: str) -> int:
+        """Where the closing tag starts in `text`, which follows `body`; -1 when not yet there."""
+        return text.find(end)
+
     def _name(self, name: str) -> ToolCallDelta:
         self.sent_name = True
         return ToolCallDelta(self.index, self.id, name, "")
@@ -140,7 +144,7 @@ class ToolCallStream:
             self.call = p.new_call(index, p.schemas) if index is not None else None
             self.dropped, self.body = index is None, ""
             return True
-        j = self.buf.find(p.end)
+        j = self.call.end_at(self.body, self.buf, p.end) if self.call is not None else self.buf.find(p.end)
         if j < 0:
             safe, self.buf = split_safe(self.buf, (p.end,))
             self.body += safe

@@ -41,12 +41,51 @@ class JsonValueEnd:
         return len(text)
 
 
+class JsonStrings:
+    """Whether text that arrives in pieces is inside a JSON string at its end."""
+
+    def __init__(self) -> None:
+        self.at, self.in_str, self.esc = 0, False, False
+
+    def advance(self, text: str) -> None:
+        """Scan what `text` (the whole text so far) adds since the last call."""
+        for ch in text[self.at:]:
+            self.in_str, self.esc = _after(ch, self.in_str, self.esc)
+        self.at = len(text)
+
+    def find_outside(self, text: str, marker: str) -> int:
+        """The first `marker` in `text` (which follows what was advanced over) outside a string."""
+        in_str, esc = self.in_str, self.esc
+        for i, ch in enumerate(text):
+            if not in_str and text.startswith(marker, i):
+                return i
+            in_str, esc = _after(ch, in_str, esc)
+        return -1
+
+
+def _after(ch: str, in_str: bool, esc: bool) -> tuple[bool, bool]:
+    """(in a string, escaped) after `ch`."""
+    if not in_str:
+        return ch == '"', False
+    if esc:
+        return True, False
+    return ch != '"', ch == "\\"
+
+
 class HermesCall(CallState):
+    """The call ends at the first `</tool_call>` outside a JSON string: an argument may contain
+    the tag (a grammar-constrained call is never cut there)."""
+
     def __init__(self, index: int, schemas: dict[str, dict]) -> None:
         super().__init__(index, schemas)
         self.args_at: int | None = None          # where the arguments value starts in the body
         self.sent = 0                            # argument characters sent
         self.end = JsonValueEnd()
+        self.strings = JsonStrings()
+
+    def end_at(self, body: str, text: str, end: str) -> int:
+        self.strings.advance(body)
+        return self.strings.find_outside(text, end)
 
     def update(self, body: str, complete: bool) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []
