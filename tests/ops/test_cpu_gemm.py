@@ -76,6 +76,18 @@ def test_one_row_gemv_over_long_rows(mod, x_dtype):
     _close_fp32(mod.linear_int8(x, q, s, None, True, False), quant.int8_linear_ref(x.float(), q, s))
 
 
+def test_twelve_to_fifteen_rows_over_many_channels(mod):
+    """bf16 x of 12-15 rows over 2048+ channels takes the lanes path padded to 16 rows on
+    AVX512-BF16 (lanes_pays): the padding rows never reach the output."""
+    N, K = 2048 + 5, 2 * 64 + 2
+    w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+    for M in (12, 13, 15):
+        x = torch.randn(M, K).bfloat16()
+        y = mod.linear_bf16(x, w, b, True, False)
+        assert y.shape == (M, N)
+        _close_fp32(y, _ref_bf16(x, w) + b)
+
+
 @pytest.mark.parametrize("M", (16, 17, 33, 64, 80))
 def test_bf16_rows_in_lanes_match_the_reference(mod, M):
     """bf16 x of 16+ rows and even K take the lanes path on AVX512-BF16 (gemm_lanes.h: rows in the

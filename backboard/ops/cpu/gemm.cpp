@@ -397,10 +397,15 @@ at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t
 }
 
 #if defined(BB_ISA_AVX512_BF16)
-// bf16 x takes the lanes path (gemm_lanes.h) from 16 rows on (a full vector of rows), except
-// for long rows at few rows: from K = 2048 the rows path's reductions are amortised and it was
-// ahead up to 32 rows (down_proj 512 x 2048 on a Zen 4: 375-400 GFLOP/s vs 280-375)
-inline bool lanes_pays(int64_t M, int64_t K) { return M >= 16 && (K < 2048 || M >= 48); }
+// bf16 x takes the lanes path (gemm_lanes.h) from 16 rows on (a full vector of rows), from 12
+// with many channels (padded to 16 rows, it still beat the rows path's three 4 x 4 tiles: LM head
+// 248320 x 512 at 12 rows 12.6 vs 17.8 ms, 4096 x 512 0.224 vs 0.258 ms; at 6-8 rows and for
+// 512-channel layers the rows path stays ahead), except for long rows at few rows: from K = 2048
+// the rows path's reductions are amortised and it was ahead up to 32 rows (down_proj 512 x 2048
+// on a Zen 4: 375-400 GFLOP/s vs 280-375)
+inline bool lanes_pays(int64_t M, int64_t N, int64_t K) {
+  return (M >= 16 || (M >= 12 && N >= 2048)) && (K < 2048 || M >= 48);
+}
 
 void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
                 int64_t K, const Out& o) {
@@ -424,7 +429,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     at::Tensor y = big::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
     at::Tensor b = bias_fp32(bias, N);
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    if (lanes_pays(x.size(0), K) && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
+    if (lanes_pays(x.size(0), N, K) && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
       lanes_path(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b));
     else
       rows_path(Bf16Dp{wp, w.stride(0)}, xp, xb.stride(0), x.size(0), N, K, make_out(y, b));
