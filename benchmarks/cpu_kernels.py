@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="LM head and one layer shape, fewer rows")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: process CPU time per thread (see cpu_clock), for shared machines")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only the bf16 decode step at 1, 4, 16, 64 rows (for back-to-back A/B runs)")
     args = ap.parse_args()
     global CLOCK
     CLOCK = cpu_clock if args.clock == "cpu" else wall_clock
@@ -231,6 +233,10 @@ def main() -> None:
     path = args.model or bench_model_path(os.path.join(default_cache_dir(), "bench"))
     from forward_cpu import Ours
 
+    if args.steps_only:
+        print("\nthe decode step (forward + logits of every request)")
+        bench_steps(fl, path, "bfloat16", rows, args.ctx)
+        return
     shapes = linear_shapes(Ours(path, "bfloat16", 1, 16).model)
     print("\nlinear layers (bf16 weights, bf16 activations)")
     for name, N, K in (shapes[:1] + shapes[-1:] if args.quick else shapes):
