@@ -3,6 +3,7 @@ equal to transformers' fp32 logprobs (the offline path is tested in tests/models
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +14,19 @@ from tests.conftest import hf_reference
 
 NUM_TOP = 2
 TOL = 2e-3
+
+
+def _preemptions(url: str, wait_s: float = 5.0) -> float:
+    """backboard:num_preemptions_total once the engine's stats have caught up (they are sent at
+    most every 0.5 s, so the count can lag the last response)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        n = next(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines()
+                 if x.startswith("backboard:num_preemptions_total"))
+        if n >= 1 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
 
 
 def test_prompt_logprobs_under_preemption(server_factory, server_model):
@@ -31,10 +45,7 @@ def test_prompt_logprobs_under_preemption(server_factory, server_model):
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         choices = list(pool.map(ask, prompts))
-    metrics = httpx.get(server.url + "/metrics", timeout=10).text
-    preemptions = next(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines()
-                       if x.startswith("backboard:num_preemptions_total"))
-    assert preemptions >= 1
+    assert _preemptions(server.url) >= 1
     ref = hf_reference(server_model)
     for ids, choice in zip(prompts, choices):
         plp = choice["prompt_logprobs"]
