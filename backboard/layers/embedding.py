@@ -57,5 +57,3 @@ class ParallelLMHead(nn.Module):
             return logits
         return all_gather_last(logits)[:, :self.vocab_size]
 
-
-VocabEmbedding, LMHead = VocabParallelEmbedding, ParallelLMHead     # the names before TP

@@ -362,7 +362,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if use_triton(q):
         fn = _kernels("rope").qk_norm_rope_write_kv
     else:
-        same = q_weight.dtype == k_weight.dtype == k_cache.dtype == v_cache.dtype == k.dtype == q.dtype
+        same = len({t.dtype for t in (q, k, v, q_weight, k_weight, k_cache, v_cache)}) == 1
         cpu = same and inv_freq.dtype == torch.float32 and use_cpu_decode_ops(q, k, v, k_cache)
         fn = cpu_ops.qk_norm_rope_write_kv if cpu else qk_norm_rope_write_kv_ref
     return fn(q, k, v, q_weight, k_weight, eps, zero_centered, positions, inv_freq, k_cache,

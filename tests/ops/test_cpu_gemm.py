@@ -300,9 +300,9 @@ def test_engine_without_kernels_runs_on_the_references(tmp_path):
     """BACKBOARD_CPU_KERNELS=0 in a fresh process: the layers still run (torch references) and the
     log says so once."""
     code = ("import logging, torch; logging.basicConfig(level=logging.WARNING);"
-            "from backboard.layers.linear import Linear; from backboard.layers.embedding import LMHead;"
+            "from backboard.layers.linear import Linear; from backboard.layers.embedding import ParallelLMHead;"
             "lin = Linear(64, [32, 16], torch.bfloat16); torch.nn.init.normal_(lin.weight);"
-            "head = LMHead(100, 64, torch.bfloat16); torch.nn.init.normal_(head.weight);"
+            "head = ParallelLMHead(100, 64, torch.bfloat16); torch.nn.init.normal_(head.weight);"
             "x = torch.randn(3, 64).bfloat16();"
             "assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight));"
             "assert head(x).dtype == torch.float32; lin(x); print('ok')")

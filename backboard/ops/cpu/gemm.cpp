@@ -12,8 +12,9 @@
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
 //          reads its channels one after another instead (gemv: a single address-order stream).
-//   lanes  bf16 x with 16+ rows on avx512_bf16 (gemm_lanes.h): rows in the vector lanes, a
-//          weight pair broadcast, no horizontal sums (1.5-1.9x the rows path at 32-64 rows)
+//   lanes  bf16 x with 16+ rows (12+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
+//          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
+//          at 32-64 rows)
 //   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
 //          parallel) and hand it to torch's fp32 GEMM (MKL / oneDNN), so prefill runs at the fp32
 //          matmul rate without a second fp32 copy of the weights.
@@ -24,6 +25,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "big_alloc.h"
@@ -164,6 +166,36 @@ struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 b
   float* yf; uint16_t* yb; int64_t ldy; const float* bias;
 };
 
+// y[m0 + i, n0 + j] = sums[i * TN + j] + the K tail past kv, times the row scale, plus the bias
+template <class F, int TM, int TN>
+inline void store_sums(const F& f, const float* sums, const typename F::XT* xm, int64_t ldx, int64_t m0,
+                       int64_t n0, int64_t K, int64_t kv, const Out& o) {
+  for (int i = 0; i < TM; ++i)
+    for (int j = 0; j < TN; ++j) {
+      const int64_t m = m0 + i, n = n0 + j;
+      float s = sums[i * TN + j];
+      for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(xm[i * ldx + k]);
+      s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
+      if (o.yf) o.yf[m * o.ldy + n] = s;
+      else o.yb[m * o.ldy + n] = f32_to_bf16(s);
+    }
+}
+
+// every output channel in blocks of TN, threads over blocks: fn(n0, tn) with tn = TN, or 1 for
+// each channel of the last, partial block
+template <int TN, typename Fn>
+inline void for_channel_blocks(int64_t N, int64_t K, Fn&& fn) {
+  const int64_t nblocks = (N + TN - 1) / TN;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * TN;
+      if (n0 + TN <= N) fn(n0, std::integral_constant<int, TN>{});
+      else for (int64_t n = n0; n < N; ++n) fn(n, std::integral_constant<int, 1>{});
+    }
+  });
+}
+
 // acc[i][j] = x[m0 + i] . W[n0 + j] for an mb x nb tile (compile-time sizes), then stored
 template <class F, int TM, int TN>
 inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, int64_t n0,
@@ -194,15 +226,7 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
   } else {
     for (int c = 0; c < TM * TN; ++c) sums[c] = vsum((&acc[0][0])[c]);
   }
-  for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) {
-      const int64_t m = m0 + i, n = n0 + j;
-      float s = sums[i * TN + j];
-      for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(xm[i * ldx + k]);
-      s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
-      if (o.yf) o.yf[m * o.ldy + n] = s;
-      else o.yb[m * o.ldy + n] = f32_to_bf16(s);
-    }
+  store_sums<F, TM, TN>(f, sums, xm, ldx, m0, n0, K, kv, o);
 }
 
 // One row of x (the decode GEMV): TN channels one after another, each read start to end with U
@@ -249,28 +273,13 @@ inline void gemv_block(const F& f, const typename F::XT* x, int64_t n0, int64_t 
   float sums[TN];
   if constexpr (TN == 8) vsum_8(acc, sums);
   else for (int j = 0; j < TN; ++j) sums[j] = vsum(acc[j]);
-  for (int j = 0; j < TN; ++j) {
-    const int64_t n = n0 + j;
-    float s = sums[j];
-    for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(x[k]);
-    s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
-    if (o.yf) o.yf[n] = s;
-    else o.yb[n] = f32_to_bf16(s);
-  }
+  store_sums<F, 1, TN>(f, sums, x, 0, 0, n0, K, kv, o);
 }
 
 template <class F>
 void gemv(const F& f, const typename F::XT* x, int64_t N, int64_t K, const Out& o) {
-  constexpr int TN = 8;
-  const int64_t kv = f.vector_k(K), nblocks = (N + TN - 1) / TN;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * TN;
-      if (n0 + TN <= N) gemv_block<F, TN>(f, x, n0, K, kv, o);
-      else for (int64_t n = n0; n < N; ++n) gemv_block<F, 1>(f, x, n, K, kv, o);
-    }
-  });
+  const int64_t kv = f.vector_k(K);
+  for_channel_blocks<8>(N, K, [&](int64_t n0, auto tn) { gemv_block<F, decltype(tn)::value>(f, x, n0, K, kv, o); });
 }
 
 // a tile of mb <= TM rows (the M tail picks the largest instance that fits)
@@ -288,20 +297,9 @@ template <class F, int TM, int TN>
 void rows_tiled(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                 const Out& o) {
   const int64_t kv = f.vector_k(K);
-  const int64_t nblocks = (N + TN - 1) / TN;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * TN;
-      for (int64_t m0 = 0; m0 < M; m0 += TM) {
-        const int mb = int(std::min<int64_t>(TM, M - m0));
-        if (n0 + TN <= N) {
-          tile_rows<F, TM, TN>(f, mb, x, ldx, m0, n0, K, kv, o);
-        } else {
-          for (int64_t n = n0; n < N; ++n) tile_rows<F, TM, 1>(f, mb, x, ldx, m0, n, K, kv, o);
-        }
-      }
-    }
+  for_channel_blocks<TN>(N, K, [&](int64_t n0, auto tn) {   // each block's tiles walk down M
+    for (int64_t m0 = 0; m0 < M; m0 += TM)
+      tile_rows<F, TM, decltype(tn)::value>(f, int(std::min<int64_t>(TM, M - m0)), x, ldx, m0, n0, K, kv, o);
   });
 }
 

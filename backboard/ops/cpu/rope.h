@@ -12,6 +12,7 @@
 #include <ATen/record_function.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "norm_act.h"
