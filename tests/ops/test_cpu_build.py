@@ -25,3 +25,24 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch
     assert not locks["backboard_fam_avx2_aaaa"].exists()
     assert locks["backboard_fam_avx2_bbbb"].exists()
     assert locks["backboard_other_avx2_cccc"].exists()
+
+
+def test_two_checkouts_build_from_one_staged_copy(tmp_path, monkeypatch):
+    """ninja's build file names the source paths: building from each checkout's own folder
+    rebuilt every family per git worktree, each build overwriting the other's. Identical sources
+    from two folders stage to one copy (so one build); an edited header to another."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    staged = []
+    for checkout in ("a", "b"):
+        src = tmp_path / checkout
+        src.mkdir()
+        (src / "k.cpp").write_text('#include "k.h"\n')
+        (src / "k.h").write_text("// v1\n")
+        monkeypatch.setattr(build, "SRC_DIR", src)
+        staged.append(build._staged_sources((str(src / "k.cpp"),), "d1"))
+    assert staged[0] == staged[1]
+    stage = tmp_path / "ext" / "backboard_src" / "d1"
+    assert staged[0] == [str(stage / "k.cpp")] and (stage / "k.h").read_text() == "// v1\n"
+    (tmp_path / "b" / "k.h").write_text("// v2\n")
+    other = build._staged_sources((str(tmp_path / "b" / "k.cpp"),), "d2")
+    assert other != staged[0] and (tmp_path / "ext" / "backboard_src" / "d2" / "k.h").read_text() == "// v2\n"

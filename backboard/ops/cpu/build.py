@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 from types import ModuleType
@@ -135,8 +136,34 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     inputs = [Path(p).read_bytes() for p in paths]
     inputs += [h.read_bytes() for h in sorted(SRC_DIR.glob("*.h"))] + [" ".join(cflags).encode()]
     digest = hashlib.sha1(b"\0".join(inputs)).hexdigest()[:8]
-    return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=list(paths),
+    sources = _staged_sources(paths, digest)
+    return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=sources,
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _build_root() -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def _staged_sources(paths: tuple[str, ...], digest: str) -> list[str]:
+    """Copies of the sources and headers under the build root, in a folder named by their hash.
+
+    ninja's build file names the source paths, so building straight from this folder would
+    rebuild every family for each checkout (git worktrees, a second clone) and each checkout's
+    build would overwrite the other's. Identical sources share one folder and so one build."""
+    stage = _build_root() / "backboard_src" / digest
+    if not stage.is_dir():
+        tmp = stage.with_name(f"{digest}.{os.getpid()}.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in [Path(p) for p in paths] + sorted(SRC_DIR.glob("*.h")):
+            (tmp / f.name).write_bytes(f.read_bytes())
+        try:
+            tmp.rename(stage)
+        except OSError:         # another process staged the same sources first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [str(stage / Path(p).name) for p in paths]
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,9 +177,7 @@ STALE_LOCK_S = 900      # no build takes this long: such a lock was left by a pr
 def _remove_stale_locks(family: str, isa: str) -> None:
     """torch waits forever on the lock file of a build whose process was killed; remove the
     family's locks that are older than any build takes."""
-    from torch.utils import cpp_extension
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    root = _build_root()
     for lock in root.glob(f"*/backboard_{family}_{isa}_*/lock"):      # <root>/py311_cpu/<name>/lock
         try:
             if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
