@@ -512,9 +512,6 @@ class EngineConfig:
             raise ConfigError(f"cpu_threads (--cpu-threads) must be >= 1; got {a.cpu_threads}")
         parallel = ParallelConfig(a.tensor_parallel_size, a.data_parallel_size, a.distributed_executor_backend)
         parallel.check_model(mc)
-        if parallel.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_head":
-            raise ConfigError("the 4-bit draft head does not run under tensor parallelism yet; use "
-                              "method 'mtp' or 'ngram' with tensor_parallel_size > 1")
         return cls(
             model=mc,
             cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,

@@ -46,6 +46,27 @@ def hybrid_model(tiny_models) -> str:
     return tiny_models("qwen3_5")
 
 
+@pytest.fixture(scope="session")
+def soft_model(tiny_models) -> str:
+    """The tiny hybrid at transformers' default weight scale: the next token depends mostly on the
+    current one, a structure a one-layer draft head can learn (the strong-layer tiny model is
+    near-random)."""
+    return tiny_models("qwen3_5", init_std=0.02)
+
+
+@pytest.fixture(scope="session")
+def trained_draft_head(soft_model, tmp_path_factory) -> tuple[str, dict]:
+    """(folder, training stats) of a 4-bit draft head distilled from soft_model (tens of seconds;
+    once per session: the speculation and tensor-parallel tests share it)."""
+    from backboard.spec_decode.train import self_generated_text, train_draft_head
+
+    out = str(tmp_path_factory.mktemp("draft"))
+    text = self_generated_text(soft_model, 24, 96, seed=0)
+    stats = train_draft_head(soft_model, text, out, steps=120, seq_len=96, batch_size=4, lr=1e-2,
+                             pool_batches=12, log=lambda *a: None)
+    return out, stats
+
+
 def hf_reference(path: str, dtype=None):
     """transformers' own implementation of the checkpoint (the oracle), fp32 by default."""
     import json

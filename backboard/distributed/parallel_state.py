@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pickle
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,19 @@ def destroy_tensor_parallel() -> None:
     if _group is not None and dist.is_initialized():
         dist.destroy_process_group()
     _group = None
+
+
+@contextmanager
+def replicated() -> Iterator[None]:
+    """A scope in which this rank acts alone (rank 0 of 1): modules built in it are whole, as
+    at TP = 1, and their forwards call no collective. Under TP every rank runs such a module on
+    the same (replicated) inputs: the 4-bit draft head."""
+    global _group
+    saved, _group = _group, None
+    try:
+        yield
+    finally:
+        _group = saved
 
 
 def tp_rank() -> int:

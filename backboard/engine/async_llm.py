@@ -64,11 +64,14 @@ class AsyncLLM:
                  on_stats: Callable[[M.EngineStats], None] | None = None,
                  on_finished: Callable[[RequestStream], None] | None = None,
                  addresses: str | None = None,
-                 on_pause: Callable[[], None] | None = None) -> None:
+                 on_pause: Callable[[], None] | None = None,
+                 launch: Callable[[EngineConfig, EngineAddresses, str], Any] | None = None) -> None:
+        """launch(cfg, addresses, log_level) starts the engine process and returns it (default:
+        spawn_engine; engine/ray_engines.py: a Ray actor with the same surface)."""
         from backboard.engine.output_processor import InputProcessor, OutputProcessor
 
         self.cfg, self.tokenizer, self.log_level = cfg, tokenizer, log_level
-        self.address_spec = addresses
+        self.address_spec, self.launch = addresses, launch or spawn_engine
         mc = cfg.model
         eos = tuple(dict.fromkeys(mc.eos_token_ids + tuple(tokenizer.eos_token_ids)))
         self.inputs = InputProcessor(tokenizer, cfg.scheduler.max_model_len, mc.vocab_size, eos)
@@ -84,7 +87,7 @@ class AsyncLLM:
         self._ready: asyncio.Future | None = None
         self._hello = self._ready_msg = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._proc: mp.process.BaseProcess | None = None
+        self._proc: Any = None               # a multiprocessing.Process or engine/ray_engines.RayEngineProcess
         self._addrs: EngineAddresses | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._inp: zmq.asyncio.Socket | None = None
@@ -101,10 +104,7 @@ class AsyncLLM:
         self._ready = loop.create_future()
         self.dead = loop.create_future()
         self._bind(EngineAddresses.parse(self.address_spec))
-        ctx = mp.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine_core, name="backboard-engine", daemon=True,
-                                 args=(self.cfg, self._addrs, self.log_level))
-        self._proc.start()
+        self._proc = self.launch(self.cfg, self._addrs, self.log_level)
         self.state = "starting"
         loop.add_reader(self._proc.sentinel, self._on_sentinel)
         self._tasks = [asyncio.ensure_future(self._read_outputs()),
@@ -375,6 +375,14 @@ class AsyncLLM:
                     t.engine_first_token = t.engine_first_token or eco.first_token_time
                     t.first_output = t.first_output or now
         return touched
+
+
+def spawn_engine(cfg: EngineConfig, addrs: EngineAddresses, log_level: str) -> mp.process.BaseProcess:
+    """The engine process on this machine (engine/core_proc.run_engine_core), started."""
+    proc = mp.get_context("spawn").Process(target=run_engine_core, name="backboard-engine", daemon=True,
+                                           args=(cfg, addrs, log_level))
+    proc.start()
+    return proc
 
 
 def _delta(ro: RequestOutput, indices) -> RequestDelta:

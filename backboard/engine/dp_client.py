@@ -11,7 +11,8 @@ construction. `DPAsyncLLM` has AsyncLLM's surface, which is all the server uses:
     state / dead  ready when all are; one engine dying is the server's death (as for one engine)
 
 Engine i computes on cores // (DP x TP) threads per rank (engine/cpu_threads.py), on CUDA on
-GPUs i*TP .. i*TP + TP - 1."""
+GPUs i*TP .. i*TP + TP - 1. With `--distributed-executor-backend ray` the engines are Ray actors
+in a placement group (engine/ray_engines.py) and connect to the front end over tcp://."""
 
 from __future__ import annotations
 
@@ -72,10 +73,16 @@ class DPAsyncLLM:
                  on_engine_stats: Callable[[int, M.EngineStats], None] | None = None) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.on_stats, self.on_finished, self.on_engine_stats = on_stats, on_finished, on_engine_stats
+        self.ray = None
+        if cfg.parallel.distributed_executor_backend == "ray":
+            from backboard.engine.ray_engines import RayEngines
+
+            self.ray = RayEngines(cfg)
+            addresses = addresses or self.ray.address()
         self.engines = [AsyncLLM(engine_config(cfg, i), tokenizer, log_level,
                                  on_stats=lambda st, i=i: self._stats_of(i, st),
                                  on_finished=self._finished, addresses=engine_address(addresses, i),
-                                 on_pause=on_pause)
+                                 on_pause=on_pause, launch=self.ray.launcher(i) if self.ray else None)
                         for i in range(cfg.parallel.data_parallel_size)]
         self.owner: dict[str, AsyncLLM] = {}           # request id -> the engine serving it
         self.engine_stats: list[M.EngineStats | None] = [None] * len(self.engines)
@@ -100,6 +107,8 @@ class DPAsyncLLM:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(e.shutdown(timeout) for e in self.engines))
+        if self.ray is not None:
+            self.ray.shutdown()
 
     @property
     def state(self) -> str:

@@ -30,8 +30,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         outside = (ids < self.shard.start) | (ids >= self.shard.end)
         e = F.embedding(torch.where(outside, 0, ids - self.shard.start), self.weight)
-        e[outside] = 0
-        return all_reduce(e)
+        return all_reduce(e.masked_fill_(outside[:, None], 0))     # no boolean indexing: no host sync
 
 
 class ParallelLMHead(nn.Module):

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from backboard.config import ConfigError, ModelConfig
+from backboard.distributed.parallel_state import all_gather_last, replicated, tp_rank, tp_size
+from backboard.distributed.shard import VocabShard, pad_rows
 from backboard.layers.linear import Int4Linear, Int8Linear, Linear
 from backboard.models.mtp import MTPHead
 
@@ -101,12 +103,18 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
                     compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
                     int8_lm_head: bool = True):
     """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
-    one quantized from the target's (lm_head_weight [V, H]), or the target's own compute_logits
-    without int8_lm_head. -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V])."""
+    one quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
+    target's own compute_logits without int8_lm_head. -> (head, lm_head callable hidden [R, H] ->
+    fp32 logits [R, V]).
+
+    Under TP the head is whole on every rank (built in parallel_state.replicated(); it is small,
+    and every rank has the whole hidden state after the row-parallel all-reduce), so its attention
+    layer needs a KV cache with all the KV heads; the INT8 LM head is split by vocabulary as the
+    target's is."""
     from safetensors.torch import load_file
 
     meta = read_draft_config(path, mc)
-    with torch.device(device):
+    with torch.device(device), replicated():
         head = MTPHead(mc, dtype, attn_idx)
     groups = meta["group_sizes"]
     for name, lin in _linears(head):
@@ -121,11 +129,23 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
                           f"unexpected {unexpected[:3]}")
     head.eval()
     if int8_lm_head:
-        lm = Int8Linear(mc.hidden_size, mc.vocab_size)
-        if lm_sd:
-            lm.qweight, lm.scales = lm_sd["qweight"], lm_sd["scales"]
-        else:
-            lm = Int8Linear.from_weight(lm_head_weight)
-        lm = lm.to(device)
-        return head, lm
+        return head, _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)
     return head, compute_logits
+
+
+def _int8_lm_head(lm_sd: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, vocab_size: int,
+                  device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's vocabulary rows of the INT8 LM head (the saved one's, or the target's rows
+    quantized: per-channel scales make them the rows of the whole head's quantization), logits
+    gathered over the ranks. hidden [R, H] -> fp32 logits [R, V]."""
+    s = VocabShard.of(vocab_size, tp_size(), tp_rank())
+    if lm_sd:
+        lm = Int8Linear(lm_sd["qweight"].shape[1], s.padded)
+        pad = s.padded - (s.end - s.start)
+        lm.qweight, lm.scales = (pad_rows(lm_sd[n][s.start:s.end], pad) for n in ("qweight", "scales"))
+    else:
+        lm = Int8Linear.from_weight(lm_head_weight)
+    lm = lm.to(device)
+    if tp_size() == 1:
+        return lm
+    return lambda h: all_gather_last(lm(h))[:, :vocab_size]

@@ -8,14 +8,22 @@ After every target step:
   draft 1: from the head's output at the last such row (it predicts the token after the newest);
   drafts 2..k: one decode step of the head per draft, fed its own previous draft and hidden.
 Drafts are greedy (the argmax of the head): the rejection sampler treats them as one-hot
-proposals, which keeps sampling exact."""
+proposals, which keeps sampling exact.
+
+Under TP every rank drafts (the embedding and LM head are vocabulary-parallel: collectives). The
+MTP head is split as the model's layers are (its KV cache holds this rank's heads); the 4-bit
+draft head is whole on every rank (parallel_state.replicated(): no collective inside it, its KV
+cache holds every KV head) and gives every rank the same drafts."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from backboard.config import EngineConfig
+from backboard.distributed.parallel_state import replicated
 from backboard.forward_context import set_forward_context
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
@@ -29,6 +37,9 @@ class MTPProposer(Proposer):
         super().__init__(cfg)
         self.head = None
         self.lm_head = None
+        self.replicated = cfg.spec.method == "draft_head"
+        if self.replicated:                 # whole under TP: a cache of every KV head
+            self.extra_attn_kv_heads = cfg.model.num_key_value_heads
 
     def bind(self, ctx: ProposerContext) -> None:
         super().bind(ctx)
@@ -58,7 +69,9 @@ class MTPProposer(Proposer):
         step = build_step(ids, q_lens, num_computed, block_table, np.zeros(len(rows), dtype=np.int64),
                           None, ctx.block_size, ctx.device)
         with set_forward_context(step.meta, ctx.caches):
-            return self.head(ctx.embed(step.input_ids), hidden.to(ctx.dtype), step.meta.positions)
+            embeds = ctx.embed(step.input_ids)          # vocabulary-parallel: on every rank
+            with replicated() if self.replicated else nullcontext():
+                return self.head(embeds, hidden.to(ctx.dtype), step.meta.positions)
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ class ProposerContext:
 
 class Proposer:
     num_extra_attn_layers = 0      # attention KV caches the proposer needs (sharing block tables)
+    extra_attn_kv_heads: int | None = None   # KV heads of those caches (None: this rank's share)
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg

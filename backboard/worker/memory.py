@@ -14,9 +14,12 @@ GiB = 1 << 30
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                       num_attn_layers: int | None = None) -> int:
+                       num_attn_layers: int | None = None, num_kv_heads: int | None = None) -> int:
+    """Bytes of K and V one block holds over `num_attn_layers` layers (default: the model's) of
+    `num_kv_heads` heads each (default: the config's)."""
     n = len(cfg.attn_layer_ids) if num_attn_layers is None else num_attn_layers
-    return n * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    nkv = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return n * 2 * block_size * nkv * cfg.head_dim * dtype.itemsize
 
 
 def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -28,14 +31,14 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def allocate_caches(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                     dtype: torch.dtype, device: torch.device | str = "cpu",
-                    extra_attn_layers: int = 0) -> ModelCaches:
+                    extra_attn_layers: int = 0, extra_kv_heads: int | None = None) -> ModelCaches:
     """KV caches for every attention layer (plus `extra_attn_layers`, e.g. the MTP layer, which
-    share the block tables) and GDN states for `num_slots` slots (+1 scratch slot at the end for
-    padded rows). Zero-initialised."""
-    n_attn = len(cfg.attn_layer_ids) + extra_attn_layers
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)]
-    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attn)]
+    share the block tables; of `extra_kv_heads` heads, default the config's) and GDN states for
+    `num_slots` slots (+1 scratch slot at the end for padded rows). Zero-initialised."""
+    nkv = [cfg.num_key_value_heads] * len(cfg.attn_layer_ids)
+    nkv += [cfg.num_key_value_heads if extra_kv_heads is None else extra_kv_heads] * extra_attn_layers
+    k = [torch.zeros(num_blocks, block_size, n, cfg.head_dim, dtype=dtype, device=device) for n in nkv]
+    v = [torch.zeros(num_blocks, block_size, n, cfg.head_dim, dtype=dtype, device=device) for n in nkv]
     conv = ssm = None
     n_gdn = len(cfg.gdn_layer_ids)
     if n_gdn:
@@ -102,7 +105,7 @@ def profile_activation_bytes(model: torch.nn.Module, cfg, dtype: torch.dtype, de
 
 
 def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers: int = 0,
-               activation_bytes: int | None = None) -> tuple[int, int]:
+               activation_bytes: int | None = None, extra_kv_heads: int | None = None) -> tuple[int, int]:
     """(num_kv_blocks, num_state_slots) for an EngineConfig.
 
     Slots: max_num_seqs * (1 + k) unless set, plus the prefix cache's checkpoint slots on hybrid
@@ -110,11 +113,13 @@ def plan_cache(cfg, dtype: torch.dtype, device: torch.device, extra_attn_layers:
     in gpu_memory_utilization of the card after the weights and the state slots (a profiling
     pass: the memory actually in use now, plus an activation reserve); on CPU, kv_cache_memory_gib
     (default 4 GiB), never more than max_num_seqs full-length sequences need.
-    activation_bytes: the profiling pass's peak (profile_activation_bytes); None: an estimate."""
+    activation_bytes: the profiling pass's peak (profile_activation_bytes); None: an estimate.
+    extra_kv_heads: the KV heads of the extra layers (None: the config's)."""
     mc, cc, sc = cfg.model, cfg.cache, cfg.scheduler
     bs = cc.block_size
     slots = (cc.num_state_slots or sc.max_num_seqs * (1 + cfg.num_spec_tokens)) + num_checkpoint_slots_for(cfg)
-    per_block = max(1, kv_bytes_per_block(mc, bs, dtype, len(mc.attn_layer_ids) + extra_attn_layers))
+    per_block = max(1, kv_bytes_per_block(mc, bs, dtype)
+                    + kv_bytes_per_block(mc, bs, dtype, extra_attn_layers, extra_kv_heads))
     blocks_per_seq = -(-(sc.max_model_len + spec_token_margin(cfg.num_spec_tokens)) // bs)
     useful = sc.max_num_seqs * blocks_per_seq + 1
     if cc.num_kv_blocks is not None:

@@ -57,7 +57,7 @@ class ModelRunner:
         # CUDA graphs are not captured under TP yet (the collectives would have to be captured too)
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
                       and tp_size() == 1)
-        self._allocate_caches(proposer.num_extra_attn_layers if proposer is not None else 0, use_graphs)
+        self._allocate_caches(proposer, use_graphs)
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
@@ -71,9 +71,12 @@ class ModelRunner:
         self.graphs = self._capture_graphs(max_blocks) if use_graphs else None
         self.forward_timer = ForwardTimer(self.device)
 
-    def _allocate_caches(self, extra_attn_layers: int, use_graphs: bool) -> None:
-        """Size the KV cache and the state slots (from a profiling pass on CUDA) and allocate them."""
+    def _allocate_caches(self, proposer: Proposer | None, use_graphs: bool) -> None:
+        """Size the KV cache and the state slots (from a profiling pass on CUDA) and allocate them,
+        with the proposer's attention layers (this rank's KV heads, or as many as it asks for)."""
         cfg = replace(self.cfg, model=local_model_config(self.cfg.model, tp_size()))   # this rank's heads
+        extra_attn_layers = proposer.num_extra_attn_layers if proposer is not None else 0
+        extra_kv_heads = proposer.extra_attn_kv_heads if proposer is not None else None
         act = None
         if self.device.type == "cuda" and cfg.cache.num_kv_blocks is None:
             try:
@@ -81,11 +84,12 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - fall back to the estimate, say so
                 logger.warning("profiling pass failed (%s: %s); sizing the cache from an estimate",
                                type(e).__name__, e)
-        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra_attn_layers, act)
+        self.num_blocks, self.num_slots = plan_cache(cfg, self.dtype, self.device, extra_attn_layers, act,
+                                                     extra_kv_heads)
         self.num_blocks = all_min(self.num_blocks)     # what every rank holds
         # with graphs, one more block (never handed out) takes the padding rows' KV writes
         self.caches = allocate_caches(cfg.model, self.num_blocks + int(use_graphs), self.block_size,
-                                      self.num_slots, self.dtype, self.device, extra_attn_layers=extra_attn_layers)
+                                      self.num_slots, self.dtype, self.device, extra_attn_layers, extra_kv_heads)
 
     def use_proposer(self, proposer: Proposer) -> None:
         """Drafts for the next step come from `proposer` (its extra attention layers must have

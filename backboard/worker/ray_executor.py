@@ -62,8 +62,7 @@ class RayTPWorkers:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), runtime_env=_runtime_env(), log_to_driver=False)
+        connect_ray()
         size, gpu = cfg.parallel.tensor_parallel_size, cfg.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * (size - 1), strategy="PACK")
@@ -112,6 +111,15 @@ class RayTPWorkers:
                 ray.kill(a)
             remove_placement_group(self.pg)
             destroy_tensor_parallel()
+
+
+def connect_ray() -> None:
+    """Join the cluster of $RAY_ADDRESS (or the one `ray start` made here, or start a local one),
+    unless this process is in one already (the driver, or an actor: a DP engine on Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), runtime_env=_runtime_env(), log_to_driver=False)
 
 
 def _runtime_env() -> dict:

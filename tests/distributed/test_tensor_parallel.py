@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks: this process and one spawned worker): the
 tiny hybrid and the tiny dense model give the logprobs of TP = 1 within float tolerance and the
-same greedy tokens, also with n-gram and MTP speculation, preemption and prefix caching; a head
-count the TP size does not divide is a config error; a rank that dies stops the engine."""
+same greedy tokens, also with n-gram, MTP and 4-bit draft-head speculation, preemption and prefix
+caching; a head count the TP size does not divide is a config error; a rank that dies stops the
+engine."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, p
 BASE = {"max_model_len": 128, "max_num_seqs": 4, "cpu_threads": 1}
 
 
-def _run(path: str, **settings) -> list:
+def _run(path: str, **settings) -> tuple[list, dict]:
+    """(each prompt's (tokens, logprobs, prompt logprobs), the engine's counters: LLM.stats())."""
     with LLM(path, **{**BASE, **settings}) as llm:
         outs = llm.generate(PROMPTS, SP)
-        preempted = llm.engine.stats().num_preemptions_total
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], preempted
+        stats = llm.stats()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], stats
 
 
 def _close(a: list[dict | None], b: list[dict | None], atol: float = 2e-3) -> bool:
@@ -50,11 +52,33 @@ def test_tp2_equals_tp1_hybrid_with_speculation_and_preemption(tiny_models):
     path = tiny_models("qwen3_5")
     ref, _ = _run(path)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
-    got, preempted = _run(path, tensor_parallel_size=2, speculative_config=spec, num_kv_blocks=8)
-    assert preempted >= 1
+    got, stats = _run(path, tensor_parallel_size=2, speculative_config=spec, num_kv_blocks=8)
+    assert stats["num_preemptions"] >= 1
     _check(ref, got)
     got, _ = _run(path, tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [g[0] for g in got] == [r[0] for r in ref]
+
+
+def test_tp2_draft_head_equals_tp1(soft_model, trained_draft_head, monkeypatch):
+    """The 4-bit draft head whole on every rank (its own KV cache of every KV head) with its INT8
+    LM head split by vocabulary: the same greedy tokens as TP = 1 with the same head, the same
+    drafts step by step (rank 0's), some of them accepted; with preemption too."""
+    from backboard.spec_decode.mtp_proposer import MTPProposer
+
+    drafts: list[list[list[int]]] = []
+    propose = MTPProposer.propose
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, *a: drafts.append(propose(self, *a)) or drafts[-1])
+    spec = {"method": "draft_head", "draft_model": trained_draft_head[0], "num_speculative_tokens": 2,
+            "adaptive": False}
+    ref, ref_stats = _run(soft_model, speculative_config=spec)
+    ref_drafts, drafts[:] = list(drafts), []
+    got, stats = _run(soft_model, tensor_parallel_size=2, speculative_config=spec)
+    _check(ref, got)
+    assert drafts == ref_drafts and sum(len(d) for step in drafts for d in step) > 0
+    assert stats["spec_num_accepted_tokens"] == ref_stats["spec_num_accepted_tokens"] > 0
+    got, stats = _run(soft_model, tensor_parallel_size=2, speculative_config=spec, num_kv_blocks=8)
+    assert stats["num_preemptions"] >= 1 and stats["spec_num_accepted_tokens"] > 0
+    _check(ref, got)
 
 
 def test_heads_not_divisible_is_a_config_error(tiny_models):

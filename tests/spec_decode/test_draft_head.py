@@ -15,24 +15,6 @@ from backboard import LLM, SamplingParams
 from backboard.config import ConfigError
 
 
-@pytest.fixture(scope="module")
-def soft_model(tiny_models):
-    # transformers' default weight scale: the next token depends mostly on the current one,
-    # a structure a one-layer head can learn (the strong-layer tiny model is near-random)
-    return tiny_models("qwen3_5", init_std=0.02)
-
-
-@pytest.fixture(scope="module")
-def trained(soft_model, tmp_path_factory):
-    from backboard.spec_decode.train import self_generated_text, train_draft_head
-
-    out = str(tmp_path_factory.mktemp("draft"))
-    text = self_generated_text(soft_model, 24, 96, seed=0)
-    stats = train_draft_head(soft_model, text, out, steps=120, seq_len=96, batch_size=4, lr=1e-2,
-                             pool_batches=12, log=lambda *a: None)
-    return out, stats
-
-
 def _acceptance(model, spec) -> tuple[float, list[list[int]]]:
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(4, 40, 8)]
@@ -41,8 +23,8 @@ def _acceptance(model, spec) -> tuple[float, list[list[int]]]:
     return llm.stats().get("spec_mean_acceptance_length", 1.0), [o.outputs[0].token_ids for o in outs]
 
 
-def test_trained_head_accepts_and_int4_keeps_it(trained, soft_model):
-    path, stats = trained
+def test_trained_head_accepts_and_int4_keeps_it(trained_draft_head, soft_model):
+    path, stats = trained_draft_head
     # the format is documented and complete
     meta = json.load(open(os.path.join(path, "config.json")))
     assert meta["format"] == "backboard-draft-head" and meta["int8_lm_head"]
@@ -58,7 +40,7 @@ def test_trained_head_accepts_and_int4_keeps_it(trained, soft_model):
     assert outs == base                                  # lossless
 
 
-def test_untrained_head_accepts_less(trained, soft_model, tmp_path):
+def test_untrained_head_accepts_less(trained_draft_head, soft_model, tmp_path):
     """The acceptance comes from training: a random-init head, quantized the same way, is worse."""
     from backboard.spec_decode.train import train_draft_head
 
@@ -67,7 +49,7 @@ def test_untrained_head_accepts_less(trained, soft_model, tmp_path):
                              init="random", pool_batches=1, log=lambda *a: None)
     acc0, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": str(tmp_path),
                                        "num_speculative_tokens": 3, "adaptive": False})
-    acc1, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": trained[0],
+    acc1, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": trained_draft_head[0],
                                        "num_speculative_tokens": 3, "adaptive": False})
     assert acc1 > acc0
 
