@@ -52,6 +52,7 @@ from importlib import metadata
 import httpx
 
 from backboard.bench.client import get_backend
+from backboard.bench.probe import read_gbps
 from backboard.bench.serve import BenchError, ServeConfig, check_base_url, run_serve, write_json
 from backboard.ops.cpu.build import cpu_flags, cpu_model
 
@@ -482,6 +483,17 @@ def run_sweep(cfg: SweepConfig, results_dir: str, overwrite: bool = False,
     return failures
 
 
+def machine_noise() -> tuple[list[float], float]:
+    """The 1/5/15 min load averages and the memory read bandwidth (GB/s) right now."""
+    return [round(x, 2) for x in os.getloadavg()], round(read_gbps(), 1)
+
+
+def machine_noise_pair(before, after) -> dict:
+    """How busy and how fast the machine was around a point: the measurement's noise."""
+    return {"loadavg": {"before": before[0], "after": after[0]},
+            "read_gbps": {"before": before[1], "after": after[1]}}
+
+
 def _run_target(cfg: SweepConfig, target: Target, run: int, todo: list[tuple[int, int]],
                 results_dir: str, tokenizer, env: dict, disable_tqdm: bool) -> int:
     failures = 0
@@ -500,17 +512,18 @@ def _run_target(cfg: SweepConfig, target: Target, run: int, todo: list[tuple[int
                                num_warmups=cfg.warmups_per_concurrency * c, seed=cfg.seed,
                                api_key=cfg.api_key, disable_tqdm=disable_tqdm,
                                backend=target.backend)
-            load_before = [round(x, 2) for x in os.getloadavg()]
+            noise_before = machine_noise()
             result = run_serve(scfg, tokenizer)
-            # how busy the machine was (1, 5, 15 min load averages): the measurement's noise
-            load = {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}
             result["sweep"] = {"target": target.name, "run": run, "input_len": isl,
-                               "output_len": cfg.output_len, "concurrency": c, "loadavg": load,
+                               "output_len": cfg.output_len, "concurrency": c,
+                               **machine_noise_pair(noise_before, machine_noise()),
                                "server": info, "environment": env}
             write_json(result_path(results_dir, target.name, isl, cfg.output_len, c, run), result)
             failed = f", {result['failed']} FAILED" if result["failed"] else ""
             print(f"[sweep]   output {result['output_throughput']:.1f} tok/s, median TTFT "
                   f"{result['median_ttft_ms']:.1f} ms, median TPOT "
-                  f"{result['median_tpot_ms']:.2f} ms{failed}", flush=True)
+                  f"{result['median_tpot_ms']:.2f} ms{failed} (memory read "
+                  f"{'/'.join(str(g) for g in result['sweep']['read_gbps'].values())} GB/s before/after)",
+                  flush=True)
             failures += bool(result["run_failed"])
     return failures

@@ -148,6 +148,8 @@ def test_runs_interleave_targets_and_resume(tmp_path, monkeypatch):
     assert saved["sweep"]["target"] == "b" and saved["sweep"]["run"] == 2
     assert saved["sweep"]["server"] == {"name": "b"}
     assert "cpu_model" in saved["sweep"]["environment"] and "loadavg" in saved["sweep"]
+    # the machine's memory bandwidth around the point (the probe really read memory)
+    assert all(g > 0.1 for g in saved["sweep"]["read_gbps"].values()), saved["sweep"]["read_gbps"]
     assert (tmp_path / "environment.json").exists() and (tmp_path / "sweep.json").exists()
     # a second sweep resumes: nothing left to do
     calls.clear()
@@ -351,3 +353,12 @@ def test_target_backend_is_checked(tmp_path):
     defn["targets"][0]["backend"] = "tgi"
     with pytest.raises(sw.SweepError, match="unknown backend 'tgi'"):
         sw.build_config(defn)
+
+
+def test_read_probe_reports_the_fastest_of_its_reads(monkeypatch):
+    """GB/s = the buffer's bytes / the fastest timed sum (the slow ones were disturbed)."""
+    from backboard.bench import probe
+
+    ticks = iter([0.0, 0.5, 1.0, 1.1, 2.0, 2.3])         # sums of 0.5, 0.1 and 0.3 s
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: next(ticks))
+    assert probe.read_gbps(reps=3) == pytest.approx(probe.PROBE_BYTES / 0.1 / 1e9)
