@@ -188,6 +188,15 @@ def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return (_fixed.decode_ops if _fixed is not None else cpu_ops.kernels()) is not None
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) of fp32 logits [R, V] (greedy sampling): the C++ kernel on the CPU
+    (torch's read the LM head's logits at ~10 GB/s: 1.6 ms of a 16-row step), else torch's."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 \
+            and logits.stride(1) == 1 and use_cpu_decode_ops(logits):
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
     """Build (first use, minutes) or load (cached) the CPU kernel families the forward will use,
     at engine start-up rather than inside its first step; logs which path runs (a failed build

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from backboard.ops import dispatch
 from backboard.ops.sampling import exponential_race, seeded_noise
 from backboard.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from backboard.sample.sampler import Sampler, process_logits, target_probs
@@ -57,7 +58,7 @@ def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, spec: SpecDecodeMe
                           for n, (i, j) in enumerate(zip(req_of, within))], dtype=np.int64)
     processed = process_logits(logits, md)
     if md.all_greedy:       # accept while the draft is the argmax; emit the argmax where it stops
-        token = processed.argmax(-1)
+        token = dispatch.argmax(processed)
         accept = torch.from_numpy(has_draft).to(token.device) & (token == torch.from_numpy(draft_ids).to(token.device))
         return _collect(spec, accept.tolist(), token.tolist())
     p = target_probs(processed, md)

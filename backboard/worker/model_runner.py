@@ -207,7 +207,7 @@ class ModelRunner:
             self._apply_grammars(plan, grammars, logits)
         if not plan.has_spec and self.params.plain_greedy[plan.rows[plan.sample_mask]].all():
             # the common case needs nothing but an argmax per request
-            for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), logits.argmax(-1).tolist()):
+            for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), dispatch.argmax(logits).tolist()):
                 result.token_ids[i] = [t]
             return result
         req_of, choose_pos = plan.logit_row_index()

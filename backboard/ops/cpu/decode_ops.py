@@ -81,6 +81,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                             max_seq_len, scale)
 
 
+def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
+    """torch.argmax(x, -1) of fp32 logits x [R, V] (rows contiguous) -> int64 [R]."""
+    return _mod(isa).argmax_rows(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, *,
              isa: str | None = None) -> torch.Tensor:
     """See ops.norm.rms_norm_ref: x [..., N] -> [..., N]."""

@@ -1,0 +1,94 @@
+// Greedy sampling's argmax over fp32 logits [R, V] as torch.argmax(x, -1) returns it: the first
+// index of the largest value, a NaN counting as larger than everything (its first index then).
+// torch's CPU argmax read the LM head's logits at ~10 GB/s on a Zen 4 (1.6 ms for 16 rows of a
+// 248K vocabulary, 6.6 ms for 64: 6-7% of a decode step); this reads them once, vectorised and
+// threaded over (row, chunk), then scans only the chunk that holds each row's maximum.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+#include "tensor_args.h"
+
+namespace bb {
+inline namespace BB_ISA_NAMESPACE {
+
+constexpr int64_t kArgmaxChunk = 16384;       // elements per task (64 KiB)
+
+struct ChunkMax {
+  float max;
+  bool special;                               // an inf or a NaN in the chunk: scan it exactly
+};
+
+// the largest of p[0 .. n); `special` when some element is not finite (x * 0 is then NaN)
+inline ChunkMax chunk_max(const float* p, int64_t n) {
+  const int64_t nv = n - n % VF::N;
+  VF m = VF::set1(-std::numeric_limits<float>::infinity()), z = VF::zero();
+  for (int64_t i = 0; i < nv; i += VF::N) {
+    const VF v = VF::load(p + i);
+    m = vmax(m, v);
+    z = z + v * VF::zero();
+  }
+  float mx = m.max(), zs = z.sum();
+  for (int64_t i = nv; i < n; ++i) {
+    mx = std::max(mx, p[i]);
+    zs += p[i] * 0.f;
+  }
+  return {mx, !(zs == 0.f)};
+}
+
+// torch's rule, element by element (rows with an inf or a NaN)
+inline int64_t argmax_exact(const float* p, int64_t V) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (std::isnan(p[i])) return i;
+    if (p[i] > p[best]) best = i;
+  }
+  return best;
+}
+
+inline int64_t row_argmax(const float* p, int64_t V, const ChunkMax* cm, int64_t nch) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < nch; ++c) {
+    if (cm[c].special) return argmax_exact(p, V);
+    mx = std::max(mx, cm[c].max);
+  }
+  for (int64_t c = 0; c < nch; ++c) {
+    if (cm[c].max != mx) continue;
+    for (int64_t i = c * kArgmaxChunk, e = std::min(V, i + kArgmaxChunk); i < e; ++i)
+      if (p[i] == mx) return i;
+  }
+  return 0;                                   // unreachable: the maximum is some element
+}
+
+// x [R, V] fp32 (rows contiguous) -> int64 [R]
+inline at::Tensor argmax_rows(const at::Tensor& x) {
+  RECORD_FUNCTION("bb::argmax_rows", std::vector<c10::IValue>());
+  BB_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+           "argmax_rows: x must be 2-D float32 [R, V > 0] with contiguous rows, got ",
+           x.scalar_type(), " ", x.sizes());
+  const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
+  const int64_t nch = (V + kArgmaxChunk - 1) / kArgmaxChunk;
+  const float* px = ptr<float>(x);
+  std::vector<ChunkMax> cm(R * nch);
+  at::parallel_for(0, R * nch, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t c = t % nch;
+      cm[t] = chunk_max(px + (t / nch) * ld + c * kArgmaxChunk, std::min(kArgmaxChunk, V - c * kArgmaxChunk));
+    }
+  });
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* po = ptr<int64_t>(out);
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) po[r] = row_argmax(px + r * ld, V, cm.data() + r * nch, nch);
+  });
+  return out;
+}
+
+}  // namespace BB_ISA_NAMESPACE
+}  // namespace bb
