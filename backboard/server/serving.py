@@ -88,6 +88,7 @@ class _Call:
     want_timing: bool = False
     first_chunk_time: float | None = None
     parsers: list[ChoiceParser] | None = None     # chat with a reasoning / tool-call parser: per choice
+    token_ids: bool = False                       # completions' return_token_ids
 
 
 @dataclass
@@ -95,20 +96,24 @@ class _Pending:
     """A child's tokens not yet sent (stream interval > 1)."""
 
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     has_logprobs: bool = False
 
     def add(self, d: CompletionDelta) -> None:
         self.text.append(d.text)
-        self.num_tokens += len(d.token_ids)
+        self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.has_logprobs = True
             self.logprobs.extend(d.logprobs)
 
-    def take(self) -> tuple[str, int, list[TokenLogprobs] | None]:
-        out = ("".join(self.text), self.num_tokens, self.logprobs if self.has_logprobs else None)
-        self.text, self.num_tokens, self.logprobs, self.has_logprobs = [], 0, [], False
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def take(self) -> tuple[str, list[int], list[TokenLogprobs] | None]:
+        out = ("".join(self.text), self.token_ids, self.logprobs if self.has_logprobs else None)
+        self.text, self.token_ids, self.logprobs, self.has_logprobs = [], [], [], False
         return out
 
 
@@ -122,15 +127,16 @@ class _Chunks:
         self.offsets = [0] * n
         self.sent_tokens = 0
 
-    def take_due(self, d: CompletionDelta, interval: int) -> tuple[str, list[TokenLogprobs] | None] | None:
-        """(text, logprobs) to send now for this completion, or None to hold them back."""
+    def take_due(self, d: CompletionDelta, interval: int
+                 ) -> tuple[str, list[TokenLogprobs] | None, list[int]] | None:
+        """(text, logprobs, token ids) to send now for this completion, or None to hold them back."""
         p = self.pending[d.index]
         p.add(d)
         if d.finish_reason is None and p.num_tokens < interval:
             return None
-        text, n, lps = p.take()
-        self.sent_tokens += n
-        return text, lps
+        text, ids, lps = p.take()
+        self.sent_tokens += len(ids)
+        return text, lps, ids
 
 
 class _Whole:
@@ -138,6 +144,7 @@ class _Whole:
 
     def __init__(self, n: int) -> None:
         self.text: list[list[str]] = [[] for _ in range(n)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         self.num_output_tokens = 0
@@ -146,6 +153,7 @@ class _Whole:
     def add(self, d: RequestDelta) -> None:
         for c in d.outputs:
             self.text[c.index].append(c.text)
+            self.token_ids[c.index].extend(c.token_ids)
             self.logprobs[c.index].extend(c.logprobs or ())
             self.finish[c.index] = (c.finish_reason, c.stop_reason)
         self.num_output_tokens = d.num_output_tokens
@@ -306,7 +314,8 @@ class GenerationHandler:
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
         call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
-                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers)
+                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers,
+                     token_ids=bool(getattr(req, "return_token_ids", False)))
         first = await self._wait(stream.get(), raw, rid)
         return None if first is None else (call, first)
 
@@ -377,6 +386,8 @@ class GenerationHandler:
         else:
             lp = R.completion_logprobs(lps, self.tt, 0, lp_text)[0] if want_lp else None
             choice = R.completion_choice(i, text, lp, finish, stop)
+            if call.token_ids:
+                choice["token_ids"] = whole.token_ids[i]
         if whole.prompt_logprobs is not None:
             choice["prompt_logprobs"] = R.prompt_logprobs(whole.prompt_logprobs, self.tt)
         return choice
@@ -425,7 +436,8 @@ class GenerationHandler:
             final["backboard_timing"] = self._timing(call)
         return final
 
-    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict | None:
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps,
+                      ids: list[int]) -> dict | None:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
@@ -438,7 +450,10 @@ class GenerationHandler:
         lp = None
         if lps is not None:
             lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
-        return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+        choice = R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+        if call.token_ids:
+            choice["token_ids"] = ids
+        return choice
 
     @staticmethod
     def _parsed_delta(p: ChoiceParser, d: CompletionDelta, text: str, first: bool, lp) -> dict | None:

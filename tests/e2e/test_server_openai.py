@@ -210,6 +210,21 @@ def test_tokenize_detokenize(api_server, tokenizer):
     assert c.json()["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
+def test_completion_return_token_ids(client, tokenizer):
+    """vLLM's return_token_ids: each choice (each streamed chunk) carries its new token ids,
+    which decode to its text (a client resending a conversation needs the exact ids)."""
+    kw = dict(model=SERVED_NAME, prompt="return the ids", max_tokens=7, **GREEDY)
+    kw["extra_body"] = {**kw["extra_body"], "return_token_ids": True}
+    full = client.completions.create(**kw).choices[0]
+    ids = full.model_extra["token_ids"]
+    assert len(ids) == 7 and tokenizer.decode(ids) == full.text
+    chunks = [c.choices[0].model_extra["token_ids"] for c in client.completions.create(stream=True, **kw)
+              if c.choices]
+    assert [t for c in chunks for t in c] == ids and all(len(c) == 1 for c in chunks)
+    plain = client.completions.create(model=SERVED_NAME, prompt="return the ids", max_tokens=2, **GREEDY)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 def test_unknown_fields_and_user_are_ignored(client):
     r = client.completions.create(model=SERVED_NAME, prompt="extra", max_tokens=2, user="someone",
                                   extra_body={"not_a_field": {"x": 1}, "best_of": 1}, temperature=0)
