@@ -39,6 +39,9 @@ Where checkpoints come from:
   after the last accepted verify row, which never saw a rejected draft (each verify row's state
   has its own slot). The next chat turn resends history + answer + new text: it resumes there.
 - every `checkpoint_interval` tokens of a prompt (p = k * interval - 1): chunks stop there.
+- a hinted segment end, p = prefix_hint - 1: the front end passes where a chat prompt's system
+  messages and tools end (server/prefix_hint.py), so the next conversation sharing them resumes
+  there, even the first one to arrive after this request.
 - branch points: when a new request's prefix matches cached KV blocks further than its best
   checkpoint (a shared system prompt), or the full blocks of a request waiting behind it, its
   prefill stops at the last shared block's end - 1 and checkpoints there, so the next request
@@ -269,11 +272,13 @@ class PrefixCache:
 
     def _stops_for(self, req: Request, p: int, branches: set[int]) -> list[int]:
         """Checkpoint positions ahead of p: the prompt's end, every interval, the branch points
-        (after `branches` shared full blocks)."""
+        (after `branches` shared full blocks), the end of the hinted shared segment."""
         last = req.num_tokens - 1
         stops = set()
         if req.num_prompt_tokens - 1 <= last:
             stops.add(req.num_prompt_tokens - 1)
+        if 0 < req.prefix_hint < req.num_prompt_tokens:
+            stops.add(req.prefix_hint - 1)
         iv = self.settings.checkpoint_interval
         if iv > 0:
             stops.update(range(iv - 1, min(req.num_prompt_tokens - 1, last), iv))

@@ -41,6 +41,7 @@ from backboard.server import limits as L
 from backboard.server import responses as R
 from backboard.server.chat_output import ChoiceParser, finish_reason
 from backboard.server.errors import APIError, bad_request, error_body
+from backboard.server.prefix_hint import system_prefix_len
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
 from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningParser
 from backboard.server.structured import structured_spec, with_reasoning_gate
@@ -189,15 +190,16 @@ class GenerationHandler:
         return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
-        params, ids, text, parsers = await self.prepare_chat(req)
-        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+        params, ids, text, parsers, hint = await self.prepare_chat(req)
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers, hint)
 
     async def start_chat(self, req: ChatCompletionRequest, raw: Request, arrival: float,
                          id_prefix: str = "resp_") -> "tuple[_Call, list[RequestDelta]] | None":
         """A chat request started in the engine, for another API's shape (/v1/responses): the call
         and its first deltas, or None when the client went away first."""
-        params, ids, text, parsers = await self.prepare_chat(req)
-        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers)
+        params, ids, text, parsers, hint = await self.prepare_chat(req)
+        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers,
+                                 hint)
 
     async def collect(self, call: "_Call", first: list[RequestDelta], raw: Request) -> dict | None:
         """The chat completion body of a started call once it is whole (None: the client went away)."""
@@ -226,7 +228,8 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
+        hint = await self.off_loop(len(text), system_prefix_len, self.tokenizer, conv, ids, **kw)
+        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking")), hint
 
     def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                       thinking: bool | None) -> list[ChoiceParser] | None:
@@ -282,8 +285,9 @@ class GenerationHandler:
 
     # ---- the common path ---------------------------------------------------------------------
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None) -> Response:
-        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers)
+                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None,
+                        prefix_hint: int = 0) -> Response:
+        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers, prefix_hint)
         if started is None:
             return Response(status_code=499)          # the client is gone (nobody reads this)
         call, first = started
@@ -298,16 +302,17 @@ class GenerationHandler:
         return Response(body, media_type="application/json", headers=headers)
 
     async def _start(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None):
+                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None, prefix_hint: int = 0):
         """Add the request to the engine and wait for its first deltas: (call, first), or None
-        when the client went away first."""
+        when the client went away first. `prefix_hint`: see server/prefix_hint.py."""
         rid = kind.id_prefix + uuid.uuid4().hex
         if len(ids) < self.max_model_len:       # else the engine client says why (InputError)
             L.check_output(self.limits, params, len(ids), self.max_model_len, req.stream)
         try:
             stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival,
                                              group=self.group_of(req, rid),
-                                             max_pending_tokens=self.limits.stream_buffer_tokens)
+                                             max_pending_tokens=self.limits.stream_buffer_tokens,
+                                             prefix_hint=prefix_hint)
         except InputError as e:
             param = "max_tokens" if "max_tokens" in str(e) else ("messages" if kind.chat else "prompt")
             raise bad_request(str(e), param) from e

@@ -269,6 +269,25 @@ def test_waiting_for_a_leader_never_starves():
     s.check_integrity()
 
 
+def test_hybrid_prefix_hint_checkpoints_where_the_system_part_ends():
+    """The front end's hint (a chat's system messages end at 22): a checkpoint is kept at 21,
+    so the next request sharing only that part resumes there, though a alone ran before it."""
+    s, w = make(slots=16)
+    system = prompt(7, 22)
+    s.add_request(Request(EngineCoreRequest("a", system + prompt(8, 10), SamplingParams(max_tokens=3,
+                                            ignore_eos=True), prefix_hint=22), max_model_len=512))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 21}
+    s.update_from_output(so, w.execute(so))
+    run(s, w)
+    b = system + prompt(9, 10)
+    add(s, "b", b)
+    so = s.schedule()
+    assert so.new_reqs[0].num_computed_tokens == 21 and len(so.kv_block_copies) == 1
+    s.update_from_output(so, w.execute(so))
+    assert run(s, w)["b"] == greedy(b, 6, VOCAB)
+
+
 def test_hybrid_interval_checkpoints_every_n_tokens():
     s, w = make(slots=32, interval=8, budget=256)
     a = prompt(11, 40)
