@@ -45,6 +45,8 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     group: str | None = None        # what fair shares count over (core/fairness.py); None: this request
+    prefix_hint: int = 0            # > 0: leading prompt tokens others will share (a chat's system part):
+                                    # the prefix cache keeps a state checkpoint where they end
 
 
 class Request:
@@ -57,6 +59,7 @@ class Request:
         self.arrival_time = req.arrival_time
         self.priority = req.priority
         self.group = req.group or req.request_id
+        self.prefix_hint = req.prefix_hint
         sp = req.sampling_params
         self.eos_token_ids = frozenset(() if sp.ignore_eos else req.eos_token_ids)
         self.stop_token_ids = frozenset(sp.stop_token_ids or ())

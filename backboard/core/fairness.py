@@ -89,12 +89,13 @@ class FairShare:
             self._prefill_used[req.group] += n
 
     # ---- whom to admit, whom to preempt ----------------------------------------------------
-    def next_waiting(self, waiting: Iterable[Request]) -> Request | None:
+    def next_waiting(self, waiting: Iterable[Request], skip: set[str] = frozenset()) -> Request | None:
         """The waiting request to admit next: the first (in queue order) of a group under its
-        share with prefill budget left; else the first one not paused."""
+        share with prefill budget left; else the first one not paused (nor in `skip`)."""
         first = None
         for r in waiting:
-            if r.request_id in self.paused or (self.enabled and self.token_cap(r, 1) == 0):
+            if r.request_id in self.paused or r.request_id in skip \
+                    or (self.enabled and self.token_cap(r, 1) == 0):
                 continue
             if not self.enabled or self.held[r.group] < self.share:
                 return r

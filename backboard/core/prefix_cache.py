@@ -39,9 +39,21 @@ Where checkpoints come from:
   after the last accepted verify row, which never saw a rejected draft (each verify row's state
   has its own slot). The next chat turn resends history + answer + new text: it resumes there.
 - every `checkpoint_interval` tokens of a prompt (p = k * interval - 1): chunks stop there.
+- a hinted segment end, p = prefix_hint - 1: the front end passes where a chat prompt's system
+  messages and tools end (server/prefix_hint.py), so the next conversation sharing them resumes
+  there, even the first one to arrive after this request.
 - branch points: when a new request's prefix matches cached KV blocks further than its best
-  checkpoint (a shared system prompt), its prefill stops at the last matched block's end - 1 and
-  checkpoints there, so the next request sharing that prefix resumes there.
+  checkpoint (a shared system prompt), or the full blocks of a request waiting behind it, its
+  prefill stops at the last shared block's end - 1 and checkpoints there, so the next request
+  sharing that prefix resumes there.
+Requests sharing a prefix that one of them is computing (a wave arriving together): a waiting
+request whose best checkpoint is shorter than its shared full blocks with a running request
+(a "leader") that has not computed past the branch point b = shared * block_size - 1 waits
+(`wait_for_leader`): the leader's prefill gets a chunk stop at b if it lacks one, and the waiting
+request is admitted once the leader's checkpoint exists (it then resumes at b) or the leader has
+passed b without one (no slot for it). It never starves: the leader must be running and not
+paused, and a request waits at most MAX_WAIT_STEPS steps in all. Requests behind it in the queue
+are admitted meanwhile. Without this every request of the wave recomputes the shared prefix.
 Requests asking for prompt logprobs never resume from the cache (they need every position).
 
 Eviction: when state slots or blocks are short, checkpoints go first (before running requests
@@ -53,15 +65,18 @@ new checkpoint that would be the first to go is not made."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from backboard.core.kv_cache_manager import KVCacheManager
 from backboard.core.state_pool import StatePool
 from backboard.request import Request
 
 ROOT_HASH = b"backboard:prefix-root"      # the parent of a sequence's first block
+MAX_WAIT_STEPS = 32                       # steps a request may wait for a leader's checkpoint, in all
 
 
 def hash_block_tokens(parent: bytes, tokens) -> bytes:
@@ -77,6 +92,16 @@ def request_block_hashes(req: Request, block_size: int) -> list[bytes]:
         parent = hash_block_tokens(parent, toks[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def num_shared_blocks(a: Request, b: Request, block_size: int) -> int:
+    """Leading full blocks with equal chain hashes (so equal tokens) in two requests."""
+    n = 0
+    for x, y in zip(request_block_hashes(a, block_size), request_block_hashes(b, block_size)):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(eq=False)
@@ -159,6 +184,7 @@ class PrefixCacheStats:
     hits: int = 0                         # of which served from the cache
     checkpoints_made: int = 0
     checkpoints_evicted: int = 0
+    leader_waits: int = 0                 # steps requests waited for a leader's checkpoint
 
 
 class PrefixCache:
@@ -175,13 +201,15 @@ class PrefixCache:
         self.state_copies: list[tuple[int, int]] = []
         self._stops: dict[str, list[int]] = {}          # request id -> chunk stops ahead
         self._num_registered: dict[str, int] = {}       # request id -> blocks registered
+        self._waited: dict[str, int] = {}               # request id -> steps waited for a leader
         self._min_tokens = self.bs                       # a checkpoint saves at least a block
         self.clock = 0                                   # steps
         self._age = 0.0                                  # GreedyDual-Size's L
 
     # ---- admission -----------------------------------------------------------------------
-    def lookup(self, req: Request) -> CacheHit:
-        """Where a request without blocks resumes, and the chunk stops of its prefill."""
+    def lookup(self, req: Request, peers: Iterable[Request] = ()) -> CacheHit:
+        """Where a request without blocks resumes, and the chunk stops of its prefill (branch
+        points with the cached blocks and with `peers`, the requests waiting behind it)."""
         if req.sampling_params.prompt_logprobs is not None:
             return CacheHit()
         hashes = request_block_hashes(req, self.bs)
@@ -190,9 +218,40 @@ class PrefixCache:
         hit = self._hit_from_checkpoint(req, hashes, max_p) if self.states is not None \
             else self._hit_from_blocks(chain, max_p)
         if self.states is not None:
-            hit.stops = self._stops_for(req, hit.num_tokens, len(chain))
+            branches = {len(chain)} | {num_shared_blocks(req, o, self.bs) for o in peers}
+            hit.stops = self._stops_for(req, hit.num_tokens, branches)
         self._stops[req.request_id] = hit.stops
         return hit
+
+    def wait_for_leader(self, req: Request, leaders: Iterable[Request]) -> bool:
+        """Should waiting `req` wait a step for a running leader's checkpoint at a longer shared
+        prefix than any checkpoint it has now? Gives the leader a chunk stop there if needed."""
+        rid = req.request_id
+        if self.states is None or req.sampling_params.prompt_logprobs is not None \
+                or self._waited.get(rid, 0) >= MAX_WAIT_STEPS:
+            return False
+        ck = self.store.find(request_block_hashes(req, self.bs), req.all_token_ids, req.num_tokens - 1)
+        have = max(ck.num_tokens if ck is not None else 0, self._min_tokens - 1)
+        for b, leader in sorted(((num_shared_blocks(req, r, self.bs) * self.bs - 1, r) for r in leaders),
+                                key=lambda t: -t[0]):
+            if b <= have:
+                break
+            if self._promise(leader, b):
+                self._waited[rid] = self._waited.get(rid, 0) + 1
+                self.stats.leader_waits += 1
+                return True
+        return False
+
+    def _promise(self, leader: Request, b: int) -> bool:
+        """Will the leader checkpoint at b (after this step or a later one)? Adds the stop."""
+        stops = self._stops.get(leader.request_id)
+        if stops is None or leader.num_computed_tokens > b:
+            return False
+        if b not in stops:
+            if leader.num_computed_tokens == b:
+                return False                 # already there, without a stop: too late
+            bisect.insort(stops, b)
+        return True
 
     def _hit_from_blocks(self, chain: list[int], max_p: int) -> CacheHit:
         """Plain models: the cached chain itself (one token before its end with a proposer
@@ -211,16 +270,19 @@ class PrefixCache:
         partial = ck.block_ids[j] if ck.num_tokens % self.bs else None
         return CacheHit(ck.num_tokens, ck.block_ids[:j], partial, ck)
 
-    def _stops_for(self, req: Request, p: int, num_chain_blocks: int) -> list[int]:
-        """Checkpoint positions ahead of p: the prompt's end, every interval, the branch point."""
+    def _stops_for(self, req: Request, p: int, branches: set[int]) -> list[int]:
+        """Checkpoint positions ahead of p: the prompt's end, every interval, the branch points
+        (after `branches` shared full blocks), the end of the hinted shared segment."""
         last = req.num_tokens - 1
         stops = set()
         if req.num_prompt_tokens - 1 <= last:
             stops.add(req.num_prompt_tokens - 1)
+        if 0 < req.prefix_hint < req.num_prompt_tokens:
+            stops.add(req.prefix_hint - 1)
         iv = self.settings.checkpoint_interval
         if iv > 0:
             stops.update(range(iv - 1, min(req.num_prompt_tokens - 1, last), iv))
-        stops.add(min(num_chain_blocks * self.bs - 1, last))
+        stops.update(min(n * self.bs - 1, last) for n in branches)
         return sorted(s for s in stops if s > p and s >= self._min_tokens)
 
     def allocate(self, req: Request, hit: CacheHit, num_new_tokens: int) -> list[int] | None:
@@ -240,6 +302,7 @@ class PrefixCache:
             self.state_copies.append((hit.checkpoint.slot, req.current_state_slot))
             self._use(hit.checkpoint)
         self._num_registered[req.request_id] = len(hit.block_ids)
+        self._waited.pop(req.request_id, None)
         self.stats.queries += req.num_tokens
         self.stats.hits += hit.num_tokens
         if req.num_preemptions == 0:
@@ -323,6 +386,7 @@ class PrefixCache:
         self._register_blocks(req)
         self._stops.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        self._waited.pop(req.request_id, None)
         if not finished or self.states is None or not req.state_slots:
             return None
         p = min(req.num_computed_tokens, req.num_tokens - 1)

@@ -36,6 +36,8 @@ from backboard.core.prefix_cache import PrefixCache, PrefixCacheSettings
 from backboard.core.state_pool import StatePool, verify_slot_order
 from backboard.request import FINISH_REASON, Request, RequestStatus
 
+PEER_WINDOW = 64          # waiting requests looked at for branch points when one is admitted
+
 
 class WaitingQueue:
     """Requests ordered by (priority, arrival): lower priority value first (vLLM's convention);
@@ -185,12 +187,17 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n
 
-        # 2. waiting requests (none after a preemption this step: the pool is tight)
+        # 2. waiting requests (none after a preemption this step: the pool is tight); one that
+        # waits for a running request's checkpoint of their shared prefix is passed over
+        waits: set[str] = set()
         while (self.num_preemptions_total == preemptions_before and len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
-            req = self.fair.next_waiting(self.waiting)
+            req = self.fair.next_waiting(self.waiting, waits)
             if req is None:
                 break
+            if self.prefix is not None and self.prefix.wait_for_leader(req, self._leaders()):
+                waits.add(req.request_id)
+                continue
             admitted = self._admit(req, budget)
             if admitted is None:
                 break
@@ -224,6 +231,14 @@ class Scheduler:
             n = self.prefix.clamp(req, n)
         return n
 
+    def _leaders(self) -> list[Request]:
+        """Running requests a waiting one may wait for (not paused)."""
+        return [r for r in self.running if not self.fair.is_paused(r)]
+
+    def _peers(self, req: Request) -> list[Request]:
+        """Waiting requests behind `req` whose shared prefix it should checkpoint (a window)."""
+        return [r for r in itertools.islice(self.waiting, PEER_WINDOW) if r is not req]
+
     def _can_admit(self, req: Request) -> bool:
         """A sequence slot, a state slot and KV blocks for its first chunk are free now."""
         if len(self.running) >= self.cfg.max_num_seqs:
@@ -237,7 +252,7 @@ class Scheduler:
         """Blocks and slots for a waiting request's first chunk: (tokens, new blocks), or None
         (nothing allocated). With prefix caching it resumes where the cache lets it."""
         if self.prefix is not None:
-            hit = self.prefix.lookup(req)
+            hit = self.prefix.lookup(req, self._peers(req))
             req.num_computed_tokens = hit.num_tokens
             n = self._num_new_tokens(req, budget)
             new_blocks = self.prefix.allocate(req, hit, n + self.lookahead) if n > 0 else None

@@ -161,10 +161,12 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                     prompt_text: str | None = None, arrival_time: float | None = None,
-                    group: str | None = None, max_pending_tokens: int | None = None) -> RequestStream:
+                    group: str | None = None, max_pending_tokens: int | None = None,
+                    prefix_hint: int = 0) -> RequestStream:
         """Validate (InputError), register and send a request; returns its stream. `group`: what
         the engine's fair shares count it under (default: the request itself); `max_pending_tokens`:
-        per completion, undelivered tokens before the request is paused (None: unbounded)."""
+        per completion, undelivered tokens before the request is paused (None: unbounded);
+        `prefix_hint`: EngineCoreRequest's."""
         from backboard.engine.output_processor import ParentRequest
 
         self._check_alive()
@@ -178,7 +180,7 @@ class AsyncLLM:
         stream = RequestStream(request_id, params.n, len(ecr.prompt_token_ids), RequestTimings(arrival),
                                bound, lambda paused: self._pressure(request_id, paused))
         reqs = [EngineCoreRequest(cid, ecr.prompt_token_ids, parent.child_params(i), ecr.eos_token_ids,
-                                  ecr.arrival_time, ecr.priority, group or request_id)
+                                  ecr.arrival_time, ecr.priority, group or request_id, prefix_hint)
                 for i, cid in enumerate(self.outputs.add(parent))]
         self.streams[request_id] = stream
         stream.timings.sent = time.time()

@@ -112,6 +112,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool | None = None          # vLLM's: each choice (chunk) carries its token ids
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or a list of token ids."""

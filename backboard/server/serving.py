@@ -41,6 +41,7 @@ from backboard.server import limits as L
 from backboard.server import responses as R
 from backboard.server.chat_output import ChoiceParser, finish_reason
 from backboard.server.errors import APIError, bad_request, error_body
+from backboard.server.prefix_hint import system_prefix_len
 from backboard.server.protocol import ChatCompletionRequest, CompletionRequest
 from backboard.server.reasoning import IN_CONTENT, IN_REASONING, MAY_OPEN, ReasoningParser
 from backboard.server.structured import structured_spec, with_reasoning_gate
@@ -88,6 +89,7 @@ class _Call:
     want_timing: bool = False
     first_chunk_time: float | None = None
     parsers: list[ChoiceParser] | None = None     # chat with a reasoning / tool-call parser: per choice
+    token_ids: bool = False                       # completions' return_token_ids
 
 
 @dataclass
@@ -95,20 +97,24 @@ class _Pending:
     """A child's tokens not yet sent (stream interval > 1)."""
 
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     has_logprobs: bool = False
 
     def add(self, d: CompletionDelta) -> None:
         self.text.append(d.text)
-        self.num_tokens += len(d.token_ids)
+        self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.has_logprobs = True
             self.logprobs.extend(d.logprobs)
 
-    def take(self) -> tuple[str, int, list[TokenLogprobs] | None]:
-        out = ("".join(self.text), self.num_tokens, self.logprobs if self.has_logprobs else None)
-        self.text, self.num_tokens, self.logprobs, self.has_logprobs = [], 0, [], False
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def take(self) -> tuple[str, list[int], list[TokenLogprobs] | None]:
+        out = ("".join(self.text), self.token_ids, self.logprobs if self.has_logprobs else None)
+        self.text, self.token_ids, self.logprobs, self.has_logprobs = [], [], [], False
         return out
 
 
@@ -122,15 +128,16 @@ class _Chunks:
         self.offsets = [0] * n
         self.sent_tokens = 0
 
-    def take_due(self, d: CompletionDelta, interval: int) -> tuple[str, list[TokenLogprobs] | None] | None:
-        """(text, logprobs) to send now for this completion, or None to hold them back."""
+    def take_due(self, d: CompletionDelta, interval: int
+                 ) -> tuple[str, list[TokenLogprobs] | None, list[int]] | None:
+        """(text, logprobs, token ids) to send now for this completion, or None to hold them back."""
         p = self.pending[d.index]
         p.add(d)
         if d.finish_reason is None and p.num_tokens < interval:
             return None
-        text, n, lps = p.take()
-        self.sent_tokens += n
-        return text, lps
+        text, ids, lps = p.take()
+        self.sent_tokens += len(ids)
+        return text, lps, ids
 
 
 class _Whole:
@@ -138,6 +145,7 @@ class _Whole:
 
     def __init__(self, n: int) -> None:
         self.text: list[list[str]] = [[] for _ in range(n)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         self.num_output_tokens = 0
@@ -146,6 +154,7 @@ class _Whole:
     def add(self, d: RequestDelta) -> None:
         for c in d.outputs:
             self.text[c.index].append(c.text)
+            self.token_ids[c.index].extend(c.token_ids)
             self.logprobs[c.index].extend(c.logprobs or ())
             self.finish[c.index] = (c.finish_reason, c.stop_reason)
         self.num_output_tokens = d.num_output_tokens
@@ -181,15 +190,16 @@ class GenerationHandler:
         return await self._generate(COMPLETION, req, raw, arrival, params, ids, text)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
-        params, ids, text, parsers = await self.prepare_chat(req)
-        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers)
+        params, ids, text, parsers, hint = await self.prepare_chat(req)
+        return await self._generate(CHAT, req, raw, arrival, params, ids, text, parsers, hint)
 
     async def start_chat(self, req: ChatCompletionRequest, raw: Request, arrival: float,
                          id_prefix: str = "resp_") -> "tuple[_Call, list[RequestDelta]] | None":
         """A chat request started in the engine, for another API's shape (/v1/responses): the call
         and its first deltas, or None when the client went away first."""
-        params, ids, text, parsers = await self.prepare_chat(req)
-        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers)
+        params, ids, text, parsers, hint = await self.prepare_chat(req)
+        return await self._start(replace(CHAT, id_prefix=id_prefix), req, raw, arrival, params, ids, text, parsers,
+                                 hint)
 
     async def collect(self, call: "_Call", first: list[RequestDelta], raw: Request) -> dict | None:
         """The chat completion body of a started call once it is whole (None: the client went away)."""
@@ -218,7 +228,8 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking"))
+        hint = await self.off_loop(len(text), system_prefix_len, self.tokenizer, conv, ids, **kw)
+        return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking")), hint
 
     def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                       thinking: bool | None) -> list[ChoiceParser] | None:
@@ -274,8 +285,9 @@ class GenerationHandler:
 
     # ---- the common path ---------------------------------------------------------------------
     async def _generate(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None) -> Response:
-        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers)
+                        ids: list[int], text: str | None, parsers: list[ChoiceParser] | None = None,
+                        prefix_hint: int = 0) -> Response:
+        started = await self._start(kind, req, raw, arrival, params, ids, text, parsers, prefix_hint)
         if started is None:
             return Response(status_code=499)          # the client is gone (nobody reads this)
         call, first = started
@@ -290,23 +302,25 @@ class GenerationHandler:
         return Response(body, media_type="application/json", headers=headers)
 
     async def _start(self, kind: _Kind, req, raw: Request, arrival: float, params: SamplingParams,
-                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None):
+                     ids: list[int], text: str | None, parsers: list[ChoiceParser] | None, prefix_hint: int = 0):
         """Add the request to the engine and wait for its first deltas: (call, first), or None
-        when the client went away first."""
+        when the client went away first. `prefix_hint`: see server/prefix_hint.py."""
         rid = kind.id_prefix + uuid.uuid4().hex
         if len(ids) < self.max_model_len:       # else the engine client says why (InputError)
             L.check_output(self.limits, params, len(ids), self.max_model_len, req.stream)
         try:
             stream = self.engine.add_request(ids, params, rid, prompt_text=text, arrival_time=arrival,
                                              group=self.group_of(req, rid),
-                                             max_pending_tokens=self.limits.stream_buffer_tokens)
+                                             max_pending_tokens=self.limits.stream_buffer_tokens,
+                                             prefix_hint=prefix_hint)
         except InputError as e:
             param = "max_tokens" if "max_tokens" in str(e) else ("messages" if kind.chat else "prompt")
             raise bad_request(str(e), param) from e
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
         call = _Call(kind, rid, req.model or self.model_name, int(time.time()), stream, params,
-                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers)
+                     req.include_usage, req.continuous_usage, TIMING_HEADER in raw.headers, parsers=parsers,
+                     token_ids=bool(getattr(req, "return_token_ids", False)))
         first = await self._wait(stream.get(), raw, rid)
         return None if first is None else (call, first)
 
@@ -377,6 +391,8 @@ class GenerationHandler:
         else:
             lp = R.completion_logprobs(lps, self.tt, 0, lp_text)[0] if want_lp else None
             choice = R.completion_choice(i, text, lp, finish, stop)
+            if call.token_ids:
+                choice["token_ids"] = whole.token_ids[i]
         if whole.prompt_logprobs is not None:
             choice["prompt_logprobs"] = R.prompt_logprobs(whole.prompt_logprobs, self.tt)
         return choice
@@ -425,7 +441,8 @@ class GenerationHandler:
             final["backboard_timing"] = self._timing(call)
         return final
 
-    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps) -> dict | None:
+    def _chunk_choice(self, call: _Call, chunks: "_Chunks", d: CompletionDelta, text: str, lps,
+                      ids: list[int]) -> dict | None:
         i = d.index
         if call.kind.chat:
             lp = R.chat_logprobs(lps, self.tt) if lps is not None else None
@@ -438,7 +455,10 @@ class GenerationHandler:
         lp = None
         if lps is not None:
             lp, chunks.offsets[i] = R.completion_logprobs(lps, self.tt, chunks.offsets[i])
-        return R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+        choice = R.completion_choice(i, text, lp, d.finish_reason, d.stop_reason)
+        if call.token_ids:
+            choice["token_ids"] = ids
+        return choice
 
     @staticmethod
     def _parsed_delta(p: ChoiceParser, d: CompletionDelta, text: str, first: bool, lp) -> dict | None:

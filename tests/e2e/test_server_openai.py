@@ -210,6 +210,33 @@ def test_tokenize_detokenize(api_server, tokenizer):
     assert c.json()["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
+def test_completion_return_token_ids(client, tokenizer):
+    """vLLM's return_token_ids: each choice (each streamed chunk) carries its new token ids,
+    which decode to its text (a client resending a conversation needs the exact ids)."""
+    kw = dict(model=SERVED_NAME, prompt="return the ids", max_tokens=7, **GREEDY)
+    kw["extra_body"] = {**kw["extra_body"], "return_token_ids": True}
+    full = client.completions.create(**kw).choices[0]
+    ids = full.model_extra["token_ids"]
+    assert len(ids) == 7 and tokenizer.decode(ids) == full.text
+    chunks = [c.choices[0].model_extra["token_ids"] for c in client.completions.create(stream=True, **kw)
+              if c.choices]
+    assert [t for c in chunks for t in c] == ids and all(len(c) == 1 for c in chunks)
+    plain = client.completions.create(model=SERVED_NAME, prompt="return the ids", max_tokens=2, **GREEDY)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
+def test_chat_system_prompt_is_checkpointed_for_the_next_conversation(client, tokenizer):
+    """The server hints where a chat's system message ends: the next conversation with the same
+    system prompt (and another question) resumes after it. Without the hint the first request
+    leaves no state there and the second recomputes everything (cached_tokens 0)."""
+    system = {"role": "system", "content": " ".join(f"rule {i}: answer briefly and politely" for i in range(12))}
+    n_sys = len(tokenizer.encode(tokenizer.apply_chat_template([system], False)))
+    usage = [client.chat.completions.create(model=SERVED_NAME, max_tokens=2, messages=[
+        system, {"role": "user", "content": q}], **GREEDY).usage for q in ("Who are you?", "What is 2 + 2?")]
+    assert n_sys > 32 and usage[0].prompt_tokens > n_sys
+    assert usage[1].prompt_tokens_details.cached_tokens == n_sys - 1, (usage, n_sys)
+
+
 def test_unknown_fields_and_user_are_ignored(client):
     r = client.completions.create(model=SERVED_NAME, prompt="extra", max_tokens=2, user="someone",
                                   extra_body={"not_a_field": {"x": 1}, "best_of": 1}, temperature=0)

@@ -135,3 +135,34 @@ def test_caching_off_is_off(models):
     assert llm.engine.scheduler.prefix is None and llm.engine.scheduler.kv.pool.num_cached == 0
     assert llm.engine.runner.num_slots == 64                  # no checkpoint slots
     assert "prefix caching off" in llm.engine.describe()
+
+
+def _wave_phases() -> list[dict[str, list[int]]]:
+    """E alone (leaves system prompt a's blocks, no state where the others branch off), then a
+    wave sharing a, then a cold wave sharing system prompt b."""
+    rng = np.random.default_rng(11)
+    sys_a, sys_b = (rng.integers(0, 1000, 70).tolist() for _ in range(2))
+    return [{"E": sys_a + rng.integers(0, 1000, 20).tolist()},
+            {f"w{i}": sys_a + rng.integers(0, 1000, 15 + i).tolist() for i in range(3)},
+            {f"c{i}": sys_b + rng.integers(0, 1000, 15 + i).tolist() for i in range(3)}]
+
+
+@pytest.fixture(scope="module")
+def wave_reference(models):
+    return _run(LLM(models["hybrid"], max_model_len=LEN, enable_prefix_caching=False), _wave_phases())
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_wave_sharing_a_system_prompt_resumes_from_one_checkpoint(models, wave_reference, spec):
+    """Requests arriving together with a shared system prompt: the first computes it and
+    checkpoints where they branch off, the others wait for that checkpoint and resume there
+    (exact: same greedy tokens as cache off), whether its blocks were cached before or not."""
+    llm = LLM(models["hybrid"], max_model_len=LEN, speculative_config=SPECS[spec])
+    got = _run(llm, _wave_phases())
+    for name, (toks, lps, _, _) in wave_reference.items():
+        assert got[name][0] == toks, (name, got[name][0], toks)
+        assert np.allclose(got[name][1], lps, atol=2e-3, rtol=0), name
+    cached = {n: c for n, (_, _, c, _) in got.items()}
+    assert cached["w0"] == cached["c0"] == 0
+    assert all(cached[n] == 63 for n in ("w1", "w2", "c1", "c2")), cached     # 4 shared blocks of 16
+    assert llm.engine.scheduler.prefix.stats.leader_waits >= 2

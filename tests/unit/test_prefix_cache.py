@@ -204,6 +204,90 @@ def test_hybrid_branch_point_checkpoint_serves_the_third_request():
     assert run(s, w)["c"] == greedy(system + prompt(10, 10), 6, VOCAB)
 
 
+def test_hybrid_wave_sharing_a_cached_prefix_waits_for_the_first_checkpoint():
+    """a leaves the system prompt's blocks but no state at the branch point; b, c, d arrive
+    together: b computes from 0 and stops at the branch point, c and d wait one step for its
+    checkpoint and resume there, while e (no shared prefix) is admitted past them."""
+    s, w = make(slots=16)
+    system = prompt(7, 24)
+    add(s, "a", system + prompt(8, 10))
+    run(s, w)
+    wave = {r: system + prompt(60 + i, 10) for i, r in enumerate("bcd")}
+    for r, p in wave.items():
+        add(s, r, p)
+    add(s, "e", prompt(64, 12))
+    so = s.schedule()
+    assert [n.req_id for n in so.new_reqs] == ["b", "e"] and so.num_scheduled_tokens["b"] == 23
+    s.update_from_output(so, w.execute(so))
+    so = s.schedule()
+    assert {n.req_id: n.num_computed_tokens for n in so.new_reqs} == {"c": 23, "d": 23}
+    s.update_from_output(so, w.execute(so))
+    out = run(s, w)
+    assert all(out[r][-5:] == greedy(p, 6, VOCAB)[1:] for r, p in wave.items() if r != "b")
+    assert w.num_checked_resumes >= 2
+
+
+def test_hybrid_cold_wave_checkpoints_where_the_waiting_requests_branch():
+    """Nothing cached: the first of a wave stops where the requests behind it branch off."""
+    s, w = make(slots=16)
+    system = prompt(7, 26)
+    for i in range(3):
+        add(s, f"w{i}", system + prompt(70 + i, 9))
+    so = s.schedule()
+    assert [n.req_id for n in so.new_reqs] == ["w0"] and so.num_scheduled_tokens["w0"] == 23
+    s.update_from_output(so, w.execute(so))
+    so = s.schedule()
+    assert {n.req_id: n.num_computed_tokens for n in so.new_reqs} == {"w1": 23, "w2": 23}
+
+
+def test_waiting_for_a_leader_never_starves():
+    """A leader too slow to reach the branch point (4 prefill tokens a step under the fair
+    share): the waiting request is admitted after MAX_WAIT_STEPS steps, without a hit; a paused
+    leader is never waited for."""
+    from backboard.core.prefix_cache import MAX_WAIT_STEPS
+
+    s, w = make(slots=16, budget=8)
+    system = prompt(7, 200)
+    add(s, "lead", system + prompt(80, 5))
+    so = s.schedule()
+    s.update_from_output(so, w.execute(so))
+    add(s, "b", system + prompt(81, 5))
+    steps = 0
+    while "b" not in s.prefix._num_registered:      # admitted
+        so = s.schedule()
+        s.update_from_output(so, w.execute(so))
+        steps += 1
+    assert steps == MAX_WAIT_STEPS + 1 and s.requests["b"].num_cached_tokens == 0
+    assert s.requests["lead"].num_computed_tokens < 199
+    s.pause_requests(["lead", "b"])
+    add(s, "c", system + prompt(82, 5))
+    so = s.schedule()
+    assert [n.req_id for n in so.new_reqs] == ["c"]
+    s.update_from_output(so, w.execute(so))
+    s.resume_requests(["lead", "b"])
+    run(s, w)
+    s.check_integrity()
+
+
+def test_hybrid_prefix_hint_checkpoints_where_the_system_part_ends():
+    """The front end's hint (a chat's system messages end at 22): a checkpoint is kept at 21,
+    so the next request sharing only that part resumes there, though a alone ran before it."""
+    s, w = make(slots=16)
+    system = prompt(7, 22)
+    s.add_request(Request(EngineCoreRequest("a", system + prompt(8, 10), SamplingParams(max_tokens=3,
+                                            ignore_eos=True), prefix_hint=22), max_model_len=512))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 21}
+    s.update_from_output(so, w.execute(so))
+    run(s, w)
+    b = system + prompt(9, 10)
+    add(s, "b", b)
+    so = s.schedule()
+    assert so.new_reqs[0].num_computed_tokens == 21 and len(so.kv_block_copies) == 1
+    s.update_from_output(so, w.execute(so))
+    assert run(s, w)["b"] == greedy(b, 6, VOCAB)
+
+
 def test_hybrid_interval_checkpoints_every_n_tokens():
     s, w = make(slots=32, interval=8, budget=256)
     a = prompt(11, 40)
@@ -265,9 +349,9 @@ def test_stress_shared_prefixes_aborts_preemption_speculation(hybrid, k):
     caches' content, every output against the greedy model, the allocators every step."""
     rng = random.Random(1234 + k)
     bs = 4
-    s, _ = make(blocks=90, bs=bs, slots=(6 * (1 + k) + 10) if hybrid else None, k=k, max_num_seqs=6,
+    s, _ = make(blocks=80, bs=bs, slots=(6 * (1 + k) + 10) if hybrid else None, k=k, max_num_seqs=6,
                 budget=48, interval=12, max_len=160)
-    w = SimWorker(90, bs, s.states.num_slots if hybrid else 0, VOCAB, draft_error=0.3, rng=rng)
+    w = SimWorker(s.kv.pool.num_blocks, bs, s.states.num_slots if hybrid else 0, VOCAB, draft_error=0.3, rng=rng)
     systems = [prompt(100 + i, rng.randrange(4, 40)) for i in range(5)]
     history: list[list[int]] = []
     expected: dict[str, list[int]] = {}
@@ -313,7 +397,7 @@ def test_stress_shared_prefixes_aborts_preemption_speculation(hybrid, k):
     assert w.num_checked_resumes > 100
     s.check_integrity()
     if hybrid:
-        assert s.prefix.stats.checkpoints_evicted > 0
+        assert s.prefix.stats.checkpoints_evicted > 0 and s.prefix.stats.leader_waits > 0
         s.reset_prefix_cache()
         assert s.states.num_free == s.states.num_slots
     s.reset_prefix_cache()
