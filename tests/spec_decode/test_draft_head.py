@@ -29,7 +29,7 @@ def trained(soft_model, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("draft"))
     text = self_generated_text(soft_model, 24, 96, seed=0)
     stats = train_draft_head(soft_model, text, out, steps=120, seq_len=96, batch_size=4, lr=1e-2,
-                             pool_batches=12, log=lambda *a: None)
+                             max_windows=48, log=lambda *a: None)
     return out, stats
 
 
@@ -64,7 +64,7 @@ def test_untrained_head_accepts_less(trained, soft_model, tmp_path):
 
     text = " ".join(["alpha beta gamma"] * 400)
     train_draft_head(soft_model, text, str(tmp_path), steps=0, seq_len=64, batch_size=2,
-                             init="random", pool_batches=1, log=lambda *a: None)
+                             init="random", max_windows=2, log=lambda *a: None)
     acc0, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": str(tmp_path),
                                        "num_speculative_tokens": 3, "adaptive": False})
     acc1, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": trained[0],
