@@ -155,7 +155,7 @@ def head_loss(head: MTPHead, target, seqs: np.ndarray, h: torch.Tensor, top_lp: 
     t_p = t_lp.exp()
     wt = torch.ones(t_ids.shape[0]) if weight is None else weight.reshape(-1).float()
     norm = wt.sum().clamp(min=1.0)
-    w = target.lm_head.weight if vocab is None else vocab.weight
+    w = (target.lm_head.weight if vocab is None else vocab.weight).float()
     out = head_outputs(head, target, seqs, h)
     draft = F.linear(out.reshape(-1, out.shape[-1]), w).float().log_softmax(-1)
     if vocab is not None:
