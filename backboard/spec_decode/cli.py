@@ -11,12 +11,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     dsub = p.add_subparsers(dest="draft_command", metavar="SUBCOMMAND")
     t = dsub.add_parser("train", help="distil a draft head from the target on plain text, then quantize it")
     t.add_argument("--model", required=True, help="target checkpoint folder")
-    t.add_argument("--data", required=False, help="plain-text file to train on")
+    t.add_argument("--data", required=False, help="plain-text file to train on (instead of the chat corpus)")
     t.add_argument("--out", required=True, help="folder for the draft head")
     t.add_argument("--self-generate", type=int, default=0, metavar="N",
                    help="also train on N continuations the target writes itself")
     t.add_argument("--self-generate-tokens", type=int, default=128)
-    t.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    t.add_argument("--chat-prompts", type=int, default=None, metavar="N",
+                   help="the default recipe (no --data / --self-generate): the target's answers to the first N "
+                        "of the built-in chat prompts (topics x task forms; all by default), written once in "
+                        "large batches and cached under ~/.cache/backboard/draft-corpus; loss on answer tokens")
+    t.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     t.add_argument("--steps", type=int, default=None, help="train exactly this many steps instead")
     t.add_argument("--seq-len", type=int, default=128)
     t.add_argument("--batch-size", type=int, default=8)
@@ -24,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--group-size", type=int, default=64, help="int4 group size (a multiple of 32)")
     t.add_argument("--chain-frac", type=float, default=0.5,
                    help="share of positions trained as chained drafts (the head's own output as hidden)")
-    t.add_argument("--loss-vocab-top", type=int, default=0, metavar="K",
+    t.add_argument("--feat-weight", type=float, default=0.1,
+                   help="weight of EAGLE's feature regression beside the token loss")
+    t.add_argument("--loss-vocab-top", type=int, default=8, metavar="K",
                    help="normalise the loss over the text's tokens and the teacher's top K only (faster)")
     t.add_argument("--init", choices=["mtp", "random"], default="mtp",
                    help="start from the checkpoint's MTP head when it has one")
@@ -39,11 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from backboard.spec_decode.corpus import chat_training_corpus
     from backboard.spec_decode.train import self_generated_text, train_draft_head
 
-    if not args.data and not args.self_generate:
-        print("error: give --data TEXT_FILE and/or --self-generate N", file=sys.stderr)
-        return 2
     text = ""
     if args.data:
         try:
@@ -55,10 +59,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.self_generate:
         text += "\n" + self_generated_text(args.model, args.self_generate, args.self_generate_tokens, args.seed)
     try:
-        train_draft_head(args.model, text, args.out, minutes=args.minutes, steps=args.steps,
+        data, held = (text, None) if text else chat_training_corpus(args.model, args.chat_prompts, args.seed)
+        train_draft_head(args.model, data, args.out, held_text=held, minutes=args.minutes, steps=args.steps,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                          group_size=args.group_size, init=args.init, seed=args.seed, chain_frac=args.chain_frac,
-                         loss_vocab_top=args.loss_vocab_top)
+                         loss_vocab_top=args.loss_vocab_top, feat_weight=args.feat_weight)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ def test_untrained_head_accepts_less(trained_draft_head, soft_model, tmp_path):
 
     text = " ".join(["alpha beta gamma"] * 400)
     train_draft_head(soft_model, text, str(tmp_path), steps=0, seq_len=64, batch_size=2,
-                             init="random", pool_batches=1, log=lambda *a: None)
+                             init="random", max_windows=2, log=lambda *a: None)
     acc0, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": str(tmp_path),
                                        "num_speculative_tokens": 3, "adaptive": False})
     acc1, _ = _acceptance(soft_model, {"method": "draft_head", "draft_model": trained_draft_head[0],

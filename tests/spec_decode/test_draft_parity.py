@@ -24,7 +24,7 @@ def head_dir(dense_model, tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("parity-head"))
     train_draft_head(dense_model, " ".join(["alpha beta gamma delta"] * 200), out, steps=0, seq_len=32,
-                     batch_size=2, init="random", pool_batches=1, log=lambda *a: None)
+                     batch_size=2, init="random", max_windows=2, log=lambda *a: None)
     return out
 
 

@@ -46,3 +46,38 @@ def test_chained_hidden_is_the_heads_output_one_position_back(setup):
         own = head(target.embed_tokens(torch.from_numpy(seqs[0, 1:])), h[0, :-1], torch.arange(L - 1), dense=True)
     torch.testing.assert_close(chained[0, 1:], own)
     torch.testing.assert_close(chained[0, 0], h[0, 0])
+
+
+def test_windows_weigh_the_heads_answer_targets():
+    """The head at i predicts t_{i+2}: its weight is 1 exactly where that token is an answer token."""
+    from backboard.spec_decode.corpus import TokenCorpus
+    from backboard.spec_decode.train import windows
+
+    corpus = TokenCorpus.of([(list(range(5)), list(range(100, 107))), (list(range(5, 9)), list(range(200, 210)))])
+    assert corpus.starts.tolist() == [0, 12] and corpus.answer.sum() == 17
+    ids, weight = windows(corpus, 8)
+    assert ids.shape == (3, 8) and weight.shape == (3, 7)
+    for w in range(3):
+        np.testing.assert_array_equal(weight[w], corpus.answer[8 * w + 2:8 * w + 9])
+        np.testing.assert_array_equal(ids[w], corpus.ids[8 * w:8 * w + 8])
+
+
+def test_loss_counts_only_weighted_positions(setup):
+    """Changing the teacher at positions of weight 0 (prompt tokens) leaves the loss and the
+    agreement alone; at a weighted position it changes them."""
+    from backboard.spec_decode.train import head_loss
+
+    head, target, seqs, (h, top_lp, top_ids) = setup
+    weight = torch.zeros(seqs.shape[0], seqs.shape[1] - 1)
+    weight[:, 10:] = 1.0
+    base, agree = head_loss(head, target, seqs, h, top_lp, top_ids, weight=weight)
+    other_ids = top_ids.clone()
+    other_ids[:, 1:11] = (other_ids[:, 1:11] + 7) % target.lm_head.weight.shape[0]   # targets of positions 0..9
+    masked, agree2 = head_loss(head, target, seqs, h, top_lp, other_ids, weight=weight)
+    torch.testing.assert_close(masked, base)
+    assert agree2 == agree
+    other_ids[:, 12] = (other_ids[:, 12] + 7) % target.lm_head.weight.shape[0]       # position 11: weighted
+    assert not torch.allclose(head_loss(head, target, seqs, h, top_lp, other_ids, weight=weight)[0], base)
+    full, _ = head_loss(head, target, seqs, h, top_lp, top_ids)
+    torch.testing.assert_close(head_loss(head, target, seqs, h, top_lp, top_ids, weight=torch.ones_like(weight))[0],
+                               full)

@@ -12,7 +12,7 @@ The layers, lowest first (a module may import its own layer and any below it):
     6  worker/, spec_decode/                         the step: batch state, runner, proposers
     7  engine/
     8  server/, bench/
-    9  the package root and command-line tools       (cli, */cli.py, spec_decode/train.py)
+    9  the package root and command-line tools       (cli, */cli.py, spec_decode/train.py, corpus.py)
 
 The package root (backboard/__init__.py) is a lazy facade: its own imports (LLM) are at the top,
 but any module may read `__version__` from it.
@@ -46,7 +46,7 @@ LEVELS = {
 }
 # command-line tools drive the whole stack, whatever package they sit in
 TOOLS = {"backboard.engine.cli", "backboard.models.cli", "backboard.server.cli", "backboard.spec_decode.cli",
-         "backboard.spec_decode.train"}
+         "backboard.spec_decode.train", "backboard.spec_decode.corpus"}
 TORCH_FREE = ("backboard.core", "backboard.core.scheduler", "backboard.core.outputs",
               "backboard.core.kv_cache_manager", "backboard.core.state_pool", "backboard.request",
               "backboard.sampling_params", "backboard.config")
