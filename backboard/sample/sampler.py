@@ -11,6 +11,7 @@ import torch
 
 from backboard.constants import GREEDY_TEMPERATURE
 from backboard.core.outputs import TokenLogprobs
+from backboard.ops import dispatch
 from backboard.ops.sampling import apply_min_p, apply_penalties, apply_top_k_top_p, exponential_race, seeded_noise
 from backboard.sample.metadata import SamplingMetadata
 
@@ -39,7 +40,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         x = apply_top_k_top_p(x, md.top_k, md.top_p)
     probs = x.softmax(-1)
     if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(-1, dispatch.argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
 
@@ -59,7 +60,7 @@ class Sampler:
         """logits [R, V] fp32 -> token ids [R]."""
         processed = process_logits(logits, md)
         if md.all_greedy:
-            return processed.argmax(-1)
+            return dispatch.argmax(processed)
         probs = target_probs(processed, md)
         return exponential_race(probs, self.noise(*probs.shape, md, probs.device))
 

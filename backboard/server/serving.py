@@ -228,8 +228,15 @@ class GenerationHandler:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
         ids = await self.encode(text)
-        hint = await self.off_loop(len(text), system_prefix_len, self.tokenizer, conv, ids, **kw)
+        hint = (await self.off_loop(len(text), system_prefix_len, self.tokenizer, conv, ids, **kw)
+                if self._keeps_state_checkpoints() else 0)
         return params, ids, text, self._chat_outputs(req, params, ids, kw.get("enable_thinking")), hint
+
+    def _keeps_state_checkpoints(self) -> bool:
+        """Only a hybrid model's prefix cache uses the system-prompt hint (server/prefix_hint.py):
+        elsewhere rendering the template a second time per chat request would be wasted."""
+        c = self.engine.cfg
+        return c.cache.enable_prefix_caching and c.model.is_hybrid
 
     def _chat_outputs(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                       thinking: bool | None) -> list[ChoiceParser] | None:
