@@ -11,7 +11,7 @@ from torch import nn
 from backboard.forward_context import get_forward_context
 from backboard.layers.rows import join_rows
 from backboard.ops import dispatch
-from backboard.ops.attention import paged_attention_prefill, write_kv
+from backboard.ops.attention import write_kv
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PagedAttention(nn.Module):
         qsl = meta.query_start_loc_cpu
         for r in range(meta.prefill_start, meta.num_reqs):
             s, e = int(qsl[r]), int(qsl[r + 1])
-            parts.append((s, paged_attention_prefill(q[s:e], k_cache, v_cache, meta.block_table[r],
-                                                     int(meta.seq_lens_cpu[r]), self.scale)))
+            parts.append((s, dispatch.paged_attention_prefill(q[s:e], k_cache, v_cache, meta.block_table[r],
+                                                              int(meta.seq_lens_cpu[r]), self.scale)))
         return join_rows(parts, q.shape[0])
 

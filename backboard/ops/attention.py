@@ -48,7 +48,7 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.transpose(1, 2)
 
 
-def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
     """One request's span of L new tokens at the end of a sequence of seq_len tokens (the earlier
     ones from the cache). q: [L, nh, D]. Returns [L, nh, D]."""

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from backboard.ops.activation import silu_mul_ref
-from backboard.ops.attention import paged_attention_decode_ref
+from backboard.ops.attention import paged_attention_decode_ref, paged_attention_prefill_ref
 from backboard.ops.cpu import decode_ops as cpu_ops
 from backboard.ops.cpu import gemm as cpu_gemm
 from backboard.ops.cpu.build import kernels_enabled
@@ -259,6 +259,16 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return cpu_ops.paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
                                               max_seq_len, scale)
     return paged_attention_decode_ref(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """See ops.attention.paged_attention_prefill_ref: q [L, nh, D] -> [L, nh, D]. bf16 on a CPU
+    with AVX512-BF16: the C++ flash form (torch's bf16 SDPA ran at a third of the GEMMs' rate)."""
+    cpu = q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+    if cpu and use_cpu_decode_ops(q, k_cache) and cpu_ops.has_prefill_attention():
+        return cpu_ops.paged_attention_prefill(q, k_cache, v_cache, block_table_row, seq_len, scale)
+    return paged_attention_prefill_ref(q, k_cache, v_cache, block_table_row, seq_len, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

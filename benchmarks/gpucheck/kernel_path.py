@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from backboard.forward_context import get_forward_context
 from backboard.models.qwen3_5 import Qwen3_5ForCausalLM
 from backboard.ops import dispatch as D
-from backboard.ops.attention import paged_attention_prefill
+from backboard.ops.attention import paged_attention_prefill_ref as paged_attention_prefill
 
 
 # ==== the kernel path: the model's layer sequence through backboard.ops.dispatch ===============

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backboard.ops.attention import attention_ref, paged_attention_decode_ref, paged_attention_prefill, write_kv
+from backboard.ops.attention import attention_ref, paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
 from backboard.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from backboard.ops.gdn import gdn_chunked_varlen, gdn_recurrent, gdn_ref
 
@@ -98,7 +98,7 @@ def test_paged_attention_matches_dense():
     write_kv(k, v, k_cache, v_cache, slots)
     q = torch.randn(S, nh, D, generator=g)
     want = attention_ref(q, k, v, D ** -0.5)
-    got = paged_attention_prefill(q[5:], k_cache, v_cache, blocks, S, D ** -0.5)
+    got = paged_attention_prefill_ref(q[5:], k_cache, v_cache, blocks, S, D ** -0.5)
     assert torch.allclose(got, want[5:], atol=1e-5)
     got_u = paged_attention_decode_ref(q[8:][None], k_cache, v_cache, blocks[None], torch.tensor([S]), S, D ** -0.5)
     assert torch.allclose(got_u[0], want[8:], atol=1e-5)

@@ -1,5 +1,6 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
-// the GDN decode / verify step, paged decode attention, RMSNorm (+ residual), the GDN gated
+// the GDN decode / verify step, paged decode attention, causal prefill attention (AVX512-BF16
+// builds), RMSNorm (+ residual), the GDN gated
 // norm, SiLU-mul, the attention prologue (q / k norm, RoPE, K/V cache write) and greedy argmax. Each has the signature of its torch reference (the Python wrapper
 // backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
 #include <torch/csrc/utils/pybind.h>
@@ -8,6 +9,7 @@
 #include "gdn_decode.h"
 #include "norm_act.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "rope.h"
 
 namespace {
@@ -37,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_v_heads"), py::arg("head_k_dim"), py::arg("head_v_dim"), py::arg("eps"));
   m.def("paged_attention_decode", &bb::paged_attention_decode,
         "paged attention of uniform groups (see ops.attention.paged_attention_uniform)");
+  m.def("has_prefill_attention", [] { return bb::kPrefillAttention; },
+        "whether this build has paged_attention_prefill (VDPBF16PS: AVX512-BF16 builds only)");
+#if defined(BB_ISA_AVX512_BF16)
+  m.def("paged_attention_prefill", &bb::paged_attention_prefill,
+        "causal bf16 prefill attention of one request (see ops.attention.paged_attention_prefill_ref)");
+#endif
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
   m.def("rms_norm", &bb::rms_norm, "RMSNorm (see ops.norm.rms_norm)");
   m.def("fused_add_rms_norm", &bb::fused_add_rms_norm, "residual add + RMSNorm (see ops.norm.fused_add_rms_norm_ref)");

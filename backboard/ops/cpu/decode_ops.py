@@ -8,6 +8,7 @@ rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
 
     ops.gdn.decode.gdn_decode_ref              -> gdn_decode
     ops.attention.paged_attention_decode_ref   -> paged_attention_decode
+    ops.attention.paged_attention_prefill_ref  -> paged_attention_prefill (bf16, AVX512-BF16)
     ops.norm.rms_norm_ref                      -> rms_norm
     ops.norm.fused_add_rms_norm_ref            -> fused_add_rms_norm
     ops.norm.gated_rms_norm_ref                -> gated_rms_norm
@@ -79,6 +80,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """See ops.attention.paged_attention_decode_ref: q [B, L, nh, D] -> [B, L, nh, D]."""
     return _mod(isa).paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens,
                                             max_seq_len, scale)
+
+
+def has_prefill_attention(isa: str | None = None) -> bool:
+    """Whether paged_attention_prefill is built for `isa` (VDPBF16PS: AVX512-BF16 only)."""
+    mod = kernels(isa)
+    return mod is not None and mod.has_prefill_attention()
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table_row: torch.Tensor, seq_len: int, scale: float, *,
+                            isa: str | None = None) -> torch.Tensor:
+    """See ops.attention.paged_attention_prefill_ref: q [L, nh, D] bf16 (head_dim a multiple of 32),
+    the last L of seq_len tokens already in the caches -> [L, nh, D]."""
+    return _mod(isa).paged_attention_prefill(q, k_cache, v_cache, block_table_row, seq_len, scale)
 
 
 def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
