@@ -18,8 +18,8 @@ from backboard.ops.attention import write_kv
 class QKNormRope:
     """The per-head q / k RMSNorm and RoPE, run with the cache write (one kernel on the GPU)."""
 
-    q_weight: torch.Tensor                  # [D]
-    k_weight: torch.Tensor                  # [D]
+    q_weight: torch.Tensor | None           # [D]; None: no q / k norm (RoPE alone)
+    k_weight: torch.Tensor | None           # [D]
     eps: float
     zero_centered: bool
     inv_freq: torch.Tensor                  # [rotary_dim / 2] fp32

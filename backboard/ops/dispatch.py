@@ -373,15 +373,17 @@ def _gdn_prefill_recurrent(proj, conv_weight, conv_state, A_log, dt_bias, norm_w
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                           zero_centered: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> torch.Tensor:
-    """See ops.rotary.qk_norm_rope_write_kv_ref: returns rope(norm(q)); writes k, v to the caches."""
+    """See ops.rotary.qk_norm_rope_write_kv_ref: returns rope(norm(q)); writes k, v to the caches.
+    Without norm weights (Llama, Qwen2) the Triton kernel is not used (it always norms)."""
+    weights = [w for w in (q_weight, k_weight) if w is not None]
     if use_triton(q):
-        fn = _kernels("rope").qk_norm_rope_write_kv
+        fn = _kernels("rope").qk_norm_rope_write_kv if weights else qk_norm_rope_write_kv_ref
     else:
-        same = len({t.dtype for t in (q, k, v, q_weight, k_weight, k_cache, v_cache)}) == 1
+        same = len({t.dtype for t in (q, k, v, *weights, k_cache, v_cache)}) == 1
         cpu = same and inv_freq.dtype == torch.float32 and use_cpu_decode_ops(q, k, v, k_cache)
         fn = cpu_ops.qk_norm_rope_write_kv if cpu else qk_norm_rope_write_kv_ref
     return fn(q, k, v, q_weight, k_weight, eps, zero_centered, positions, inv_freq, k_cache,

@@ -29,16 +29,20 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def qk_norm_rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                               zero_centered: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_mapping: torch.Tensor) -> torch.Tensor:
     """q [T, nh, D], k / v [T, nkv, D] (any strides with a contiguous last dim); q_weight,
-    k_weight [D]; positions [T]; inv_freq [rot/2] fp32; caches [num_blocks, block_size, nkv, D];
+    k_weight [D], or both None for a model without q / k norm (Llama, Qwen2: RoPE alone);
+    positions [T]; inv_freq [rot/2] fp32; caches [num_blocks, block_size, nkv, D];
     slot_mapping [T]. Writes rope(norm(k)) and v at slot_mapping; returns rope(norm(q))
     [T, nh, D] contiguous."""
-    q = rms_norm_ref(q, q_weight, eps, zero_centered)
-    k = rms_norm_ref(k, k_weight, eps, zero_centered)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope_write_kv: q_weight and k_weight must both be given or both be None")
+    if q_weight is not None:
+        q = rms_norm_ref(q, q_weight, eps, zero_centered)
+        k = rms_norm_ref(k, k_weight, eps, zero_centered)
     cos, sin = rotary_cos_sin_ref(positions, inv_freq, q.dtype)
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -72,3 +72,31 @@ def test_dispatch_runs_it_on_cpu_tensors(monkeypatch):
     q, k, v, qw, kw, pos, inv_freq, cache, slots = make(2, 2, 1, 32, 16, torch.bfloat16)
     dispatch.qk_norm_rope_write_kv(q, k, v, qw, kw, 1e-6, True, pos, inv_freq, cache, cache.clone(), slots)
     assert used
+
+
+@isa_param
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_without_norm_is_rope_and_cache_write(dtype, isa, close):
+    """Llama / Qwen2 (no q / k norm): the kernel with no weights equals RoPE applied by the torch
+    composition the layer used before (cos_sin, apply_rotary, write_kv), bit for bit in the
+    reference, and the C++ result to the rounding of its libm cos / sin."""
+    from backboard.ops.attention import write_kv
+    from backboard.ops.rotary import apply_rotary_ref, rotary_cos_sin_ref
+
+    built(isa)
+    q, k, v, _, _, pos, inv_freq, cache, slots = make(6, 6, 2, 64, 64, dtype, gated=False)
+    cos, sin = rotary_cos_sin_ref(pos, inv_freq, dtype)
+    kc0, vc0 = cache.clone(), cache.clone() + 1
+    write_kv(apply_rotary_ref(k, cos, sin), v, kc0, vc0, slots)
+    old_q = apply_rotary_ref(q, cos, sin)
+    (ref, kc1, vc1), (got, kc2, vc2) = run_both((q, k, v, None, None, pos, inv_freq, cache, slots), False, isa)
+    assert torch.equal(ref, old_q) and torch.equal(kc1, kc0) and torch.equal(vc1, vc0)
+    close(got, ref, **TOL[dtype])
+    close(kc2, kc1, **TOL[dtype])
+    assert torch.equal(vc2, vc1)
+    with_norm = qk_norm_rope_write_kv_ref(q, k, v, torch.ones(64, dtype=dtype), torch.ones(64, dtype=dtype), 1e-6,
+                                          False, pos, inv_freq, cache.clone(), cache.clone(), slots)
+    assert not torch.allclose(with_norm.float(), got.float(), atol=1e-2)     # the norm is really skipped
+    with pytest.raises(ValueError, match="both be given or both be None"):
+        decode_ops.qk_norm_rope_write_kv(q, k, v, None, torch.ones(64, dtype=dtype), 1e-6, False, pos, inv_freq,
+                                         cache.clone(), cache.clone(), slots, isa=isa)

@@ -2,6 +2,8 @@
 // the first `rot` dims of each head, the rest passed through) and the K/V cache write: the CPU
 // kernel of ops.rotary.qk_norm_rope_write_kv_ref, which takes ~60 torch ops per layer and step.
 //
+// Without norm weights (Llama, Qwen2) it is RoPE and the cache write alone.
+//
 // Rounded where the reference rounds: the normed head in the model dtype T; cos / sin of
 // position * inv_freq computed in fp32 and rounded to T; x * cos and rotate(x) * sin each rounded
 // to T, then their sum. One task per (token, head) row: q heads to the output, k heads and v
@@ -55,11 +57,12 @@ inline void check_heads(const char* op, const char* name, const at::Tensor& t, i
   check_last_contiguous(op, name, t);
 }
 
-// q [T, nh, D], k / v [T, nkv, D] (row strides free, last dim contiguous); q_weight, k_weight [D];
-// positions [T]; inv_freq [rot / 2] fp32; caches [num_blocks, block_size, nkv, D] contiguous;
+// q [T, nh, D], k / v [T, nkv, D] (row strides free, last dim contiguous); q_weight, k_weight [D]
+// or both absent (no q / k norm); positions [T]; inv_freq [rot / 2] fp32; caches [num_blocks, block_size, nkv, D] contiguous;
 // slot_mapping [T] -> rope(norm(q)) [T, nh, D] contiguous; rope(norm(k)) and v written to the caches
 inline at::Tensor qk_norm_rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& q_weight, const at::Tensor& k_weight,
+                                        const c10::optional<at::Tensor>& q_weight,
+                                        const c10::optional<at::Tensor>& k_weight,
                                         double eps, bool zero_centered, const at::Tensor& positions,
                                         const at::Tensor& inv_freq, const at::Tensor& k_cache,
                                         const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
@@ -70,9 +73,16 @@ inline at::Tensor qk_norm_rope_write_kv(const at::Tensor& q, const at::Tensor& k
   check_heads(op, "k", k, T, D);
   check_heads(op, "v", v, T, D);
   check_size(op, "v", v, 1, nkv);
-  for (auto* t : {&k, &v, &q_weight, &k_weight, &k_cache, &v_cache}) check_same_dtype(op, "a tensor", *t, q);
-  check_weight(op, q_weight, q);
-  check_weight(op, k_weight, q);
+  for (auto* t : {&k, &v, &k_cache, &v_cache}) check_same_dtype(op, "a tensor", *t, q);
+  BB_CHECK(q_weight.has_value() == k_weight.has_value(), op,
+           ": q_weight and k_weight must both be given or both be None");
+  const bool norm = q_weight.has_value();
+  if (norm) {
+    check_same_dtype(op, "q_weight", *q_weight, q);
+    check_same_dtype(op, "k_weight", *k_weight, q);
+    check_weight(op, *q_weight, q);
+    check_weight(op, *k_weight, q);
+  }
   check_dim(op, "inv_freq", inv_freq, 1);
   BB_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(), op,
            ": inv_freq must be a contiguous float32 vector");
@@ -96,18 +106,24 @@ inline at::Tensor qk_norm_rope_write_kv(const at::Tensor& q, const at::Tensor& k
     std::vector<float> cs, sn;
     rope_tables<E>(pos, ptr<float>(inv_freq), rot / 2, cs, sn);
     const int64_t heads = nh + 2 * nkv;
+    const E* qw = norm ? ptr<E>(*q_weight) : nullptr;
+    const E* kw = norm ? ptr<E>(*k_weight) : nullptr;
     parallel_rows(T * heads, D, [&](int64_t r) {
       const int64_t t = r / heads, h = r % heads;
       std::vector<E> normed(D);
       const float *c = cs.data() + t * (rot / 2), *s = sn.data() + t * (rot / 2);
+      // the head row normed into `normed` (or as it is without norm weights)
+      auto prepared = [&](const E* x, const E* w) -> const E* {
+        if (w == nullptr) return x;
+        rms_norm_row(x, w, normed.data(), D, float(eps), w_off);
+        return normed.data();
+      };
       if (h < nh) {
-        rms_norm_row(ptr<E>(q) + t * q.stride(0) + h * q.stride(1), ptr<E>(q_weight), normed.data(), D,
-                     float(eps), w_off);
-        rope_row(normed.data(), c, s, ptr<E>(out) + (t * nh + h) * D, rot, D);
+        rope_row(prepared(ptr<E>(q) + t * q.stride(0) + h * q.stride(1), qw), c, s, ptr<E>(out) + (t * nh + h) * D,
+                 rot, D);
       } else if (h < nh + nkv) {
-        rms_norm_row(ptr<E>(k) + t * k.stride(0) + (h - nh) * k.stride(1), ptr<E>(k_weight), normed.data(), D,
-                     float(eps), w_off);
-        rope_row(normed.data(), c, s, ptr<E>(k_cache) + (slots[t] * nkv + h - nh) * D, rot, D);
+        rope_row(prepared(ptr<E>(k) + t * k.stride(0) + (h - nh) * k.stride(1), kw), c, s,
+                 ptr<E>(k_cache) + (slots[t] * nkv + h - nh) * D, rot, D);
       } else {
         const E* src = ptr<E>(v) + t * v.stride(0) + (h - nh - nkv) * v.stride(1);
         std::copy(src, src + D, ptr<E>(v_cache) + (slots[t] * nkv + h - nh - nkv) * D);
