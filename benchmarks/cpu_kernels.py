@@ -11,7 +11,9 @@ Floors, measured in the same run with the same threads:
 
 Sections: each linear shape of the model at 1, 4, 16, 64 rows (+ prefill 256, 512) for ours
 (dispatch.linear: what the layers run), torch bf16 and torch fp32; int8 / int4 (the draft head's
-formats); the decode step of the model at 1, 4, 16, 64 requests in bf16 and fp32.
+formats); causal prefill attention of one request (dispatch.paged_attention_prefill: the C++
+flash form on AVX512-BF16) against torch's bf16 SDPA and the FLOP floor; the decode step of the
+model at 1, 4, 16, 64 requests in bf16 and fp32.
 
     python benchmarks/cpu_kernels.py [--threads N] [--model CKPT] [--quick]
 
@@ -206,6 +208,25 @@ def bench_steps(fl: Floors, path: str, dtype: str, rows: list[int], ctx: int) ->
     return out
 
 
+def bench_prefill_attention(fl: Floors, nh: int, nkv: int, D: int, spans: list[tuple[int, int]]) -> None:
+    """(L new tokens, S total) spans of one request through a paged bf16 cache (block size 16)."""
+    from backboard.ops.attention import paged_attention_prefill_ref
+
+    for L, S in spans:
+        bs = 16
+        nb = -(-S // bs)
+        kc = torch.randn(nb, bs, nkv, D).bfloat16()
+        vc = torch.randn_like(kc)
+        row = torch.randperm(nb).to(torch.int32)
+        q = torch.randn(L, nh, D).bfloat16()
+        flops = 2 * 2 * nh * D * (L * (S - L) + L * (L + 1) / 2)     # QK^T and PV over the causal part
+        ours = timed(lambda: dispatch.paged_attention_prefill(q, kc, vc, row, S, D ** -0.5))
+        sdpa = timed(lambda: paged_attention_prefill_ref(q, kc, vc, row, S, D ** -0.5))
+        print(f"  L={L:<5} S={S:<5} nh={nh} nkv={nkv} D={D}  ours {ours * 1e3:7.2f} ms "
+              f"({flops / ours / 1e9:4.0f} GFLOP/s)  torch SDPA {sdpa * 1e3:7.2f} ms ({flops / sdpa / 1e9:4.0f})  "
+              f"floor {flops / fl.rate * 1e3:6.2f} ms  ours/floor {ours * fl.rate / flops:4.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -237,12 +258,17 @@ def main() -> None:
         print("\nthe decode step (forward + logits of every request)")
         bench_steps(fl, path, "bfloat16", rows, args.ctx)
         return
-    shapes = linear_shapes(Ours(path, "bfloat16", 1, 16).model)
+    ours = Ours(path, "bfloat16", 1, 16)
+    shapes, cfg = linear_shapes(ours.model), ours.cfg
+    del ours
     print("\nlinear layers (bf16 weights, bf16 activations)")
     for name, N, K in (shapes[:1] + shapes[-1:] if args.quick else shapes):
         bench_linear(fl, name, N, K, rows, prefill)
     print("\nquantized weights (the draft head's formats), fp32 activations")
     bench_quantized(fl, shapes[-1][1:], shapes[0][1:], rows)
+    print("\ncausal prefill attention, one request (the model's attention heads)")
+    spans = [(256, 256), (1024, 1024)] if args.quick else [(256, 256), (1024, 1024), (512, 1024), (2048, 2048)]
+    bench_prefill_attention(fl, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, spans)
     print("\nthe decode step (forward + logits of every request)")
     steps = {dt: bench_steps(fl, path, dt, rows, args.ctx) for dt in ("bfloat16", "float32")}
     print("  bf16 / fp32 step time: " + "  ".join(
