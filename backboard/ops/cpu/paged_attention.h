@@ -4,8 +4,9 @@
 // B requests with L query rows each, the last L positions of their sequences; row t of request
 // b sees the keys at positions < seq_lens[b] - L + 1 + t. KV cache per layer [num_blocks,
 // block_size, nkv, D]; position p of request b lives at block_table[b, p // bs], offset p % bs.
-// One task per (request, KV head, context split) takes all r * L query rows that share the KV
-// head (r = nh / nkv), so every K/V row is read (and widened to fp32) once per KV head; an online
+// A task takes all r * L query rows that share a KV head (r = nh / nkv), so every K/V row is read
+// (and widened to fp32) once per KV head; with enough requests a task is a whole request (its KV
+// heads walk the blocks together), else one per (request, KV head, context split); an online
 // softmax (running max, sum, fp32 accumulator per row) runs over chunks of CHUNK tokens. The
 // context is split (flash-decoding) only when B * nkv tasks would leave threads idle; the split
 // partials are then merged in a second pass.
@@ -118,81 +119,115 @@ inline float softmax_chunk(float* s, int64_t n, int64_t visible, float* m_i, flo
   return alpha;
 }
 
+// the rows of one KV head in a task: q (scaled fp32, or raw bf16 for the bf16 dot), accumulator,
+// running max / sum, rescale factors and the chunk's scores
 template <typename T>
-void attention_task(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split) {
+struct HeadRows {
+  float *qf, *acc, *m_i, *l_i, *alpha, *s;
+  T* qraw;
+};
+
+template <typename T>
+void load_head_rows(const AttnArgs<T>& a, int64_t b, int64_t kvh, const HeadRows<T>& h) {
+  const int64_t D = a.D, M = a.r * a.L;
+  for (int64_t m = 0; m < M; ++m) {                        // row m: query row m / r, head kvh*r + m % r
+    const T* qs = a.q + b * a.sq_b + (m / a.r) * a.sq_l + (kvh * a.r + m % a.r) * a.sq_h;
+    if (h.qraw != nullptr) std::copy(qs, qs + D, h.qraw + m * D);
+    else for_lanes(D, [&](int64_t d, int n) { store_n(load_n(qs + d, n) * VF::set1(a.scale), h.qf + m * D + d, n); });
+    std::fill(h.acc + m * D, h.acc + (m + 1) * D, 0.f);
+    h.m_i[m] = -std::numeric_limits<float>::infinity();
+    h.l_i[m] = 0.f;
+  }
+}
+
+// one KV head's rows over the n keys at kb / vb (rows sk_tok / sv_tok apart) starting at p0
+template <typename T>
+void head_chunk(const AttnArgs<T>& a, int64_t b, const HeadRows<T>& h, const T* kb, const T* vb, int64_t p0,
+                int64_t n, float* vf) {
   const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
   const bool bf16_pv = bf16_dot && D % 32 == 0;            // PV by bf16 pair dot products too
-  std::vector<float> buf(2 * M * D + 3 * M + kAttnChunk * D + M * kAttnChunk);
-  std::vector<T> qraw(bf16_dot ? M * D : 0);               // q as stored, for the bf16 dot
-  float *qf = buf.data(), *acc = qf + M * D, *m_i = acc + M * D, *l_i = m_i + M, *alpha = l_i + M;
-  float *vf = alpha + M, *s = vf + kAttnChunk * D;
-  for (int64_t m = 0; m < M; ++m) {                        // row m: query row m / r, head kvh*r + m % r
-    const T* qs = a.q + b * a.sq_b + (m / a.r) * a.sq_l + (kvh * a.r + m % a.r) * a.sq_h;
-    if constexpr (bf16_dot) std::copy(qs, qs + D, qraw.data() + m * D);
-    else for_lanes(D, [&](int64_t d, int n) { store_n(load_n(qs + d, n) * VF::set1(a.scale), qf + m * D + d, n); });
-    std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
-    m_i[m] = -std::numeric_limits<float>::infinity();
-    l_i[m] = 0.f;
-  }
-  const int64_t start = split * a.tokens_per_split, end = std::min(seq, start + a.tokens_per_split);
   const T* krows[kAttnChunk];
   const T* vraw[kAttnChunk];
   const float* vrows[kAttnChunk];
+  for (int64_t j = 0; j < n; ++j) {
+    krows[j] = kb + j * a.sk_tok;
+    vraw[j] = vb + j * a.sv_tok;
+    if constexpr (std::is_same_v<T, float>) {
+      vrows[j] = vraw[j];
+    } else if (!bf16_pv) {                                 // widen once, use for all M rows
+      for_lanes(D, [&](int64_t d, int w) { store_n(load_n(vraw[j] + d, w), vf + j * D + d, w); });
+      vrows[j] = vf + j * D;
+    }
+  }
+#if defined(BB_ISA_AVX512_BF16)
+  if constexpr (bf16_dot) chunk_scores_bf16(h.qraw, M, D, krows, n, a.scale, h.s);
+  else
+#endif
+    chunk_scores(h.qf, M, D, krows, n, h.s);
+  // row t sees positions < seq - L + 1 + t
+  auto visible = [&](int64_t m) { return std::min(n, seq - a.L + 1 + m / a.r - p0); };
+  for (int64_t m = 0; m < M; ++m)
+    h.alpha[m] = softmax_chunk(h.s + m * kAttnChunk, n, visible(m), h.m_i + m, h.l_i + m);
+#if defined(BB_ISA_AVX512_BF16)
+  if constexpr (bf16_dot) {
+    if (bf16_pv) return pv_rows_bf16(h.acc, h.alpha, h.s, M, vraw, n, D);
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    if (visible(m) > 0) scale_accumulate(h.acc + m * D, h.alpha[m], h.s + m * kAttnChunk, vrows, visible(m), D);
+}
+
+template <typename T>
+void store_head_rows(const AttnArgs<T>& a, int64_t b, int64_t kvh, int64_t split, const HeadRows<T>& h) {
+  const int64_t D = a.D, M = a.r * a.L;
+#if defined(BB_ISA_AVX512_BF16)
+  if (kBf16Dot && std::is_same_v<T, bf16> && D % 32 == 0)
+    for (int64_t m = 0; m < M; ++m) unpermute_pair_columns(h.acc + m * D, D);
+#endif
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t row = (b * a.L + m / a.r) * a.nh + kvh * a.r + m % a.r;
+    if (a.splits == 1) {
+      const VF inv = VF::set1(h.l_i[m] > 0.f ? 1.f / h.l_i[m] : 0.f);
+      for_lanes(D, [&](int64_t d, int w) { store_n(load_n(h.acc + m * D + d, w) * inv, a.out + row * D + d, w); });
+    } else {
+      const int64_t prow = row * a.splits + split;
+      std::copy(h.acc + m * D, h.acc + (m + 1) * D, a.part_o + prow * D);
+      a.part_m[prow] = h.m_i[m];
+      a.part_l[prow] = h.l_i[m];
+    }
+  }
+}
+
+// KV heads [h0, h0 + hn) of request b over the context split `split`: the heads walk the blocks
+// together, so with hn = nkv each block's K and V rows are read whole and in address order
+template <typename T>
+void attention_task(const AttnArgs<T>& a, int64_t b, int64_t h0, int64_t hn, int64_t split) {
+  const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
+  const int64_t per_head = 2 * M * D + 3 * M + M * kAttnChunk;
+  std::vector<float> buf(hn * per_head + kAttnChunk * D);
+  std::vector<T> qraw(bf16_dot ? hn * M * D : 0);          // q as stored, for the bf16 dot
+  std::vector<HeadRows<T>> heads(hn);
+  for (int64_t i = 0; i < hn; ++i) {
+    float* f = buf.data() + i * per_head;
+    heads[i] = {f, f + M * D, f + 2 * M * D, f + 2 * M * D + M, f + 2 * M * D + 2 * M, f + 2 * M * D + 3 * M,
+                bf16_dot ? qraw.data() + i * M * D : nullptr};
+    load_head_rows(a, b, h0 + i, heads[i]);
+  }
+  float* vf = buf.data() + hn * per_head;
+  const int64_t start = split * a.tokens_per_split, end = std::min(seq, start + a.tokens_per_split);
   for (int64_t p0 = start; p0 < end;) {
     const int64_t blk = a.block_table.at(b, p0 / a.bs), off = p0 % a.bs;
     BB_CHECK(blk >= 0 && blk < a.num_blocks, "paged_attention_decode: block_table holds ", blk,
              ", outside [0, ", a.num_blocks, ")");
     const int64_t n = std::min({kAttnChunk, a.bs - off, end - p0});
-    const T* kb = a.k + blk * a.sk_blk + off * a.sk_tok + kvh * a.sk_head;
-    const T* vb = a.v + blk * a.sv_blk + off * a.sv_tok + kvh * a.sv_head;
-    for (int64_t j = 0; j < n; ++j) {
-      krows[j] = kb + j * a.sk_tok;
-      vraw[j] = vb + j * a.sv_tok;
-      if constexpr (std::is_same_v<T, float>) {
-        vrows[j] = vraw[j];
-      } else if (!bf16_pv) {                               // widen once, use for all M rows
-        for_lanes(D, [&](int64_t d, int w) { store_n(load_n(vraw[j] + d, w), vf + j * D + d, w); });
-        vrows[j] = vf + j * D;
-      }
-    }
-#if defined(BB_ISA_AVX512_BF16)
-    if constexpr (bf16_dot) chunk_scores_bf16(qraw.data(), M, D, krows, n, a.scale, s);
-    else
-#endif
-      chunk_scores(qf, M, D, krows, n, s);
-    // row t sees positions < seq - L + 1 + t
-    auto visible = [&](int64_t m) { return std::min(n, seq - a.L + 1 + m / a.r - p0); };
-    for (int64_t m = 0; m < M; ++m) alpha[m] = softmax_chunk(s + m * kAttnChunk, n, visible(m), m_i + m, l_i + m);
-#if defined(BB_ISA_AVX512_BF16)
-    if constexpr (bf16_dot) {
-      if (bf16_pv) {
-        pv_rows_bf16(acc, alpha, s, M, vraw, n, D);
-        p0 += n;
-        continue;
-      }
-    }
-#endif
-    for (int64_t m = 0; m < M; ++m)
-      if (visible(m) > 0) scale_accumulate(acc + m * D, alpha[m], s + m * kAttnChunk, vrows, visible(m), D);
+    for (int64_t i = 0; i < hn; ++i)
+      head_chunk(a, b, heads[i], a.k + blk * a.sk_blk + off * a.sk_tok + (h0 + i) * a.sk_head,
+                 a.v + blk * a.sv_blk + off * a.sv_tok + (h0 + i) * a.sv_head, p0, n, vf);
     p0 += n;
   }
-#if defined(BB_ISA_AVX512_BF16)
-  if (bf16_pv)
-    for (int64_t m = 0; m < M; ++m) unpermute_pair_columns(acc + m * D, D);
-#endif
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t row = (b * a.L + m / a.r) * a.nh + kvh * a.r + m % a.r;
-    if (a.splits == 1) {
-      const VF inv = VF::set1(l_i[m] > 0.f ? 1.f / l_i[m] : 0.f);
-      for_lanes(D, [&](int64_t d, int w) { store_n(load_n(acc + m * D + d, w) * inv, a.out + row * D + d, w); });
-    } else {
-      const int64_t prow = row * a.splits + split;
-      std::copy(acc + m * D, acc + (m + 1) * D, a.part_o + prow * D);
-      a.part_m[prow] = m_i[m];
-      a.part_l[prow] = l_i[m];
-    }
-  }
+  for (int64_t i = 0; i < hn; ++i) store_head_rows(a, b, h0 + i, split, heads[i]);
 }
 
 // merge the split partials of one output row (query row, head)
@@ -267,9 +302,14 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                   ptr<T>(k_cache), ptr<T>(v_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt, seq.data(), float(scale),
                   ptr<T>(out), pb, pb ? pb + P * D : nullptr, pb ? pb + P * D + P : nullptr};
-    at::parallel_for(0, B * nkv * splits, 1, [&](int64_t begin, int64_t end) {
+    // a task per request and split takes all its KV heads (whole blocks read in address order:
+    // 5-14% faster than a task per head at 16-64 requests x 1024 context, same result) when the
+    // requests alone keep every thread busy; else a task per (request, KV head, split)
+    const int64_t hn = B >= threads ? nkv : 1, groups = nkv / hn;
+    at::parallel_for(0, B * groups * splits, 1, [&](int64_t begin, int64_t end) {
       FlushDenormals ftz;
-      for (int64_t i = begin; i < end; ++i) attention_task(a, i / (nkv * splits), (i / splits) % nkv, i % splits);
+      for (int64_t i = begin; i < end; ++i)
+        attention_task(a, i / (groups * splits), (i / splits) % groups * hn, hn, i % splits);
     });
     if (splits > 1)
       at::parallel_for(0, B * L * nh, 4, [&](int64_t begin, int64_t end) {
