@@ -76,6 +76,18 @@ def test_one_row_gemv_over_long_rows(mod, x_dtype):
     _close_fp32(mod.linear_int8(x, q, s, None, True, False), quant.int8_linear_ref(x.float(), q, s))
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
+    """M = 2 over a weight of 8M+ elements takes gemv_rows (the GEMV's order, each weight vector
+    for both rows): a strided x, a partial block of 8 channels, a K tail; int8 weights too."""
+    N, K = (8 << 20) // 600 + 5, 600
+    xs = torch.randn(2, K + 7).to(x_dtype)[:, :K]
+    w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+    _close_fp32(mod.linear_bf16(xs, w, b, True, False), _ref_bf16(xs, w) + b)
+    q, s = quant.quantize_int8(torch.randn(N, K))
+    _close_fp32(mod.linear_int8(xs, q, s, None, True, False), quant.int8_linear_ref(xs.float(), q, s))
+
+
 def test_twelve_to_fifteen_rows_over_many_channels(mod):
     """bf16 x of 12-15 rows over 2048+ channels takes the lanes path padded to 16 rows on
     AVX512-BF16 (lanes_pays): the padding rows never reach the output."""
