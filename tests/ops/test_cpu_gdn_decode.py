@@ -24,6 +24,9 @@ CASES = {
     "verify-r3-odd": (3, 2, 2, 6, 24, 40, 4, "per-position-alias", "mixed"),
     "verify-qwen-dims": (2, 4, 2, 2, 128, 128, 4, "per-position", "all"),
     "rows-final-only": (2, 3, 1, 1, 8, 72, 3, "other", "mixed"),
+    # a prompt: many rows, state columns in several blocks with a tail (kColBlock = 4 vectors)
+    "prefill-column-blocks": (2, 29, 1, 2, 24, 136, 4, "other", "mixed"),
+    "prefill-blocks-per-position": (1, 11, 1, 1, 16, 72, 4, "per-position-alias", "all"),
 }
 
 

@@ -145,12 +145,17 @@ inline void gdn_gates(float a, float b, float a_log, float dt_bias, float* decay
 }
 
 // ---- the task: request b, key head kh ------------------------------------------------------
+// state columns per block over several rows: delta_row's chunk of four vectors (32 KiB of state at
+// dk = 128 with AVX-512); a prompt of 1024 tokens, 4 value heads of 128 x 128: 4.5 -> 4.0 ms per
+// layer on a Zen 4 (32 or 16 columns: 5.9, one vector per FMA chain)
+constexpr int64_t kColBlock = 4 * VF::N;
+
 template <typename T>
 void gdn_task(const GdnArgs<T>& a, int64_t b, int64_t kh) {
   const GdnShape& s = a.s;
   const int64_t L = s.L, dk = s.dk, dv = s.dv, r = s.r, key_dim = s.nk * dk;
-  std::vector<float> buf(2 * L * dk + L * r * dv + dv);
-  float *qb = buf.data(), *kb = qb + L * dk, *vb = kb + L * dk, *ob = vb + L * r * dv;
+  std::vector<float> buf(2 * L * dk + L * r * dv);
+  float *qb = buf.data(), *kb = qb + L * dk, *vb = kb + L * dk;
   std::vector<T> core(dv);
   gdn_conv_channels(a, b, kh * dk, dk, qb);
   gdn_conv_channels(a, b, key_dim + kh * dk, dk, kb);
@@ -161,37 +166,50 @@ void gdn_task(const GdnArgs<T>& a, int64_t b, int64_t kh) {
   }
   const bool init = a.init == nullptr || a.init[b];
   const int64_t z_off = s.C, b_off = s.C + s.nv * dv, a_off = b_off + s.nv;
-  // several rows: the running state lives in a cache-resident scratch tile and each destination
-  // slot is written with streaming stores (no read-for-ownership, never read back); one row: the
-  // state streams from its source slot to its destination slot directly
-  std::vector<float> work(L > 1 ? dk * dv : 0);
+  // several rows: the running state lives in a scratch tile and each destination slot is written
+  // with streaming stores (no read-for-ownership, never read back), one block of kColBlock state
+  // columns at a time over all L rows (the columns of the delta rule are independent: the same
+  // arithmetic in the same order as the whole state row by row), so the tile stays near L1;
+  // one row: the state streams from its source slot to its destination slot directly
+  const int64_t cb = L > 1 ? std::min(kColBlock, dv) : dv;
+  std::vector<float> work(L > 1 ? dk * cb : 0), decay(L), beta(L), orow(L > 1 ? L * dv : dv);
   for (int64_t h = kh * r; h < (kh + 1) * r; ++h) {
     const int64_t head = h * a.ssm_sh;
-    StateRows S{a.ssm + a.src[b] * a.ssm_ss + head, nullptr, nullptr, a.ssm_sk, a.ssm_sk, a.ssm_sk};
     for (int64_t t = 0; t < L; ++t) {
-      const int64_t row = b * L + t;
-      float* dst = a.ssm + (a.per_position ? a.dst[row] : a.dst[b]) * a.ssm_ss + head;
-      if (L > 1) {
-        S.out = work.data();
-        S.rs_out = dv;
-        S.copy = a.per_position || t == L - 1 ? dst : nullptr;
-      } else {
-        S.out = dst;
-      }
-      if (t == 0 && !init) {                                   // start from zeros
-        for (int64_t i = 0; i < dk; ++i) std::fill(S.out + i * S.rs_out, S.out + i * S.rs_out + dv, 0.f);
+      const T* prow = a.proj + (b * L + t) * a.sp;
+      gdn_gates(to_f32(prow[a_off + h]), to_f32(prow[b_off + h]), a.a_log[h], a.dt_bias[h], &decay[t], &beta[t]);
+    }
+    const float* vh = vb + (h - kh * r) * dv;
+    for (int64_t c0 = 0; c0 < dv; c0 += cb) {
+      const int64_t w = std::min(cb, dv - c0);
+      StateRows S{a.ssm + a.src[b] * a.ssm_ss + head + c0, nullptr, nullptr, a.ssm_sk, a.ssm_sk, a.ssm_sk};
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t row = b * L + t;
+        float* dst = a.ssm + (a.per_position ? a.dst[row] : a.dst[b]) * a.ssm_ss + head + c0;
+        if (L > 1) {
+          S.out = work.data();
+          S.rs_out = cb;
+          S.copy = a.per_position || t == L - 1 ? dst : nullptr;
+        } else {
+          S.out = dst;
+        }
+        if (t == 0 && !init) {                                 // start from zeros
+          for (int64_t i = 0; i < dk; ++i) std::fill(S.out + i * S.rs_out, S.out + i * S.rs_out + w, 0.f);
+          S.in = S.out;
+          S.rs_in = S.rs_out;
+        }
+        delta_row(S, dk, w, kb + t * dk, qb + t * dk, vh + t * r * dv + c0, decay[t], beta[t],
+                  orow.data() + (L > 1 ? t * dv : 0) + c0);
         S.in = S.out;
         S.rs_in = S.rs_out;
       }
-      const T* prow = a.proj + row * a.sp;
-      float decay, beta;
-      gdn_gates(to_f32(prow[a_off + h]), to_f32(prow[b_off + h]), a.a_log[h], a.dt_bias[h], &decay, &beta);
-      delta_row(S, dk, dv, kb + t * dk, qb + t * dk, vb + t * r * dv + (h - kh * r) * dv, decay, beta, ob);
-      S.in = S.out;
-      S.rs_in = S.rs_out;
-      for (int64_t i = 0; i < dv; ++i) core[i] = from_f32<T>(ob[i]);   // the core in the model dtype
-      gated_rms_norm_row(core.data(), prow + z_off + h * dv, a.norm_w, a.out + row * s.nv * dv + h * dv,
-                         dv, a.eps);
+    }
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t row = b * L + t;
+      const float* o = orow.data() + (L > 1 ? t * dv : 0);
+      for (int64_t i = 0; i < dv; ++i) core[i] = from_f32<T>(o[i]);     // the core in the model dtype
+      gated_rms_norm_row(core.data(), a.proj + row * a.sp + z_off + h * dv, a.norm_w,
+                         a.out + row * s.nv * dv + h * dv, dv, a.eps);
     }
   }
   stream_fence();
