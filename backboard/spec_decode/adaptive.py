@@ -3,13 +3,16 @@ batch size, the measured acceptance and the measured step times.
 
     E(k)  = 1 + sum_{j<=k} prod_{i<=j} a_i      (tokens per request per step; a_i the acceptance
                                                  rate of draft i given that i-1 were accepted)
-    T(k)  = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n) + k * t_draft(n))
+    T(k)  = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n * E(k)) + k * t_draft(n))
     k*    = argmax_k  n * E(k) / T(k),  k in 0..k_max       (n = requests that get drafts)
 
 With k = 0 the proposer does no work at all (not even keeping its cache in step), so speculation
 that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
-(steps with prefill chunks are left out: their rows cost differently); t_catchup and t_draft are
-linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit sees both row
+(steps with prefill chunks are left out: their rows cost differently); t_catchup is linear in the
+rows the head catches up on (a request's accepted tokens + 1 in steady state; a whole prompt after
+its prefill: fitted per request instead, those hundred-row catch-ups made a one-request catch-up
+look like 26 ms where it takes ~2, and SmolLM2 at C1 stayed off at 1.05x where a fixed k = 2 ran
+at 1.2x); t_draft is linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit sees both row
 counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0 when on),
 less and less often (up to 8x) while off stays the answer.
 Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
@@ -73,8 +76,8 @@ class AdaptiveK:
         if self._seen[key] > 2:
             self.verify.add(rows, seconds)
 
-    def observe_draft(self, n: int, catchup_s: float, draft_s_per_k: float) -> None:
-        self.catchup.add(n, catchup_s)
+    def observe_draft(self, n: int, catchup_rows: int, catchup_s: float, draft_s_per_k: float) -> None:
+        self.catchup.add(catchup_rows, catchup_s)
         self.draft.add(n, draft_s_per_k)
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
@@ -90,7 +93,7 @@ class AdaptiveK:
     def rate(self, n: int, k: int) -> float:
         t = self.verify(n * (1 + k))
         if k:
-            t += self.catchup(n) + k * self.draft(n)
+            t += self.catchup(n * self.expected_tokens(k)) + k * self.draft(n)
         return n * self.expected_tokens(k) / t
 
     def choose(self, n: int) -> int:

@@ -81,7 +81,7 @@ class Proposer:
             drafts = self.draft(plan, hidden, min(k, int(room.max())), keep)
             for i, d, r in zip(keep, drafts, room[room > 0]):
                 out[i] = [int(t) for t in d[:int(r)]]
-        self.adaptive.observe_draft(len(who), t1 - t0, (time.perf_counter() - t1) / k)
+        self.adaptive.observe_draft(len(who), int(plan.q_lens.sum()), t1 - t0, (time.perf_counter() - t1) / k)
         return out
 
     def _room(self, plan: StepPlan, who: np.ndarray) -> np.ndarray:
