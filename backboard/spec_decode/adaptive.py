@@ -9,12 +9,11 @@ batch size, the measured acceptance and the measured step times.
 With k = 0 the proposer does no work at all (not even keeping its cache in step), so speculation
 that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
 (steps with prefill chunks are left out: their rows cost differently); t_catchup is linear in the
-rows the head catches up on (a request's accepted tokens + 1 in steady state; a whole prompt after
-its prefill: fitted per request instead, those hundred-row catch-ups made a one-request catch-up
-look like 26 ms where it takes ~2, and SmolLM2 at C1 stayed off at 1.05x where a fixed k = 2 ran
-at 1.2x); t_draft is linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit sees both row
-counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0 when on),
-less and less often (up to 8x) while off stays the answer.
+rows the head catches up on (a request's accepted drafts + 1 in steady state, a whole prompt after
+its prefill: fitted per request, those made a one-request catch-up look like 26 ms where it takes
+~2); t_draft is linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit
+sees both row counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0
+when on), less and less often (up to 8x) while off stays the answer.
 Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
 acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3)."""
 

@@ -74,7 +74,7 @@ class MTPProposer(Proposer):
                 return self.head(embeds, hidden.to(ctx.dtype), step.meta.positions)
 
     @torch.inference_mode()
-    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:
         b = self.ctx.batch
         n_after = b.num_tokens[plan.rows]
         v = np.minimum(plan.q_lens, n_after - 1 - plan.num_computed)     # rows with a known next token
@@ -100,6 +100,7 @@ class MTPProposer(Proposer):
         self._last_hidden = torch.empty_like(last)
         self._last_hidden[torch.from_numpy(order).to(out.device)] = last
         self._last_pos = plan.num_computed + v - 1                      # [B] position of that row
+        return int(v.sum())
 
     @torch.inference_mode()
     def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:

@@ -50,9 +50,11 @@ class Proposer:
         self.ctx = ctx
 
     # subclasses ---------------------------------------------------------------------------
-    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+    def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:
         """Keep the proposer's own caches in step with the target's (every step, any k).
-        hidden [T, H]: the target's final hidden states of this step's flat batch."""
+        hidden [T, H]: the target's final hidden states of this step's flat batch. Returns the
+        rows it ran (0 for a proposer without a model: n-gram)."""
+        return 0
 
     def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         """Up to k drafts for each request index in `who` (batch order)."""
@@ -73,7 +75,7 @@ class Proposer:
         if k == 0:
             return out                      # speculation off this step: no proposer work at all
         t0 = time.perf_counter()
-        self.catch_up(plan, hidden)
+        caught_up = self.catch_up(plan, hidden)
         t1 = time.perf_counter()
         room = self._room(plan, who)
         keep = who[room > 0]
@@ -81,7 +83,7 @@ class Proposer:
             drafts = self.draft(plan, hidden, min(k, int(room.max())), keep)
             for i, d, r in zip(keep, drafts, room[room > 0]):
                 out[i] = [int(t) for t in d[:int(r)]]
-        self.adaptive.observe_draft(len(who), int(plan.q_lens.sum()), t1 - t0, (time.perf_counter() - t1) / k)
+        self.adaptive.observe_draft(len(who), caught_up, t1 - t0, (time.perf_counter() - t1) / k)
         return out
 
     def _room(self, plan: StepPlan, who: np.ndarray) -> np.ndarray:

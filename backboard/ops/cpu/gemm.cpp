@@ -238,6 +238,14 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
 constexpr int GEMV_U = 4;
 constexpr std::ptrdiff_t GEMV_PF_BYTES = 2048;     // software prefetch distance along the stream
 
+// the lines of channel n's weights at k .. k_end, GEMV_PF_BYTES ahead along the stream
+template <class F>
+inline void prefetch_stream(const F& f, int64_t n, int64_t k, int64_t k_end) {
+  const char* p = static_cast<const char*>(f.at(n, k));
+  const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k_end)) - p;
+  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + GEMV_PF_BYTES + b);
+}
+
 // acc + w(n, k ..) . x(k ..): one STEP of channel n
 template <class F>
 inline VF gemv_step(const F& f, const typename F::XT* x, int64_t n, int64_t k, VF acc) {
@@ -253,10 +261,7 @@ inline VF gemv_channel(const F& f, const typename F::XT* x, int64_t n, int64_t k
   VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   int64_t k = 0;
   for (; k + GEMV_U * S <= kv; k += GEMV_U * S) {
-    const char* p = static_cast<const char*>(f.at(n, k)) + GEMV_PF_BYTES;
-    const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k + GEMV_U * S)) -
-                                static_cast<const char*>(f.at(n, k));
-    for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + b);
+    prefetch_stream(f, n, k, k + GEMV_U * S);
     a0 = gemv_step(f, x, n, k, a0);
     a1 = gemv_step(f, x, n, k + S, a1);
     a2 = gemv_step(f, x, n, k + 2 * S, a2);
@@ -297,9 +302,7 @@ inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, 
   for (int i = 0; i < TM; ++i) a[i][0] = a[i][1] = vzero();
   int64_t k = 0;
   for (; k + 2 * S <= kv; k += 2 * S) {
-    const char* p = static_cast<const char*>(f.at(n, k)) + GEMV_PF_BYTES;
-    const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k + 2 * S)) - static_cast<const char*>(f.at(n, k));
-    for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + b);
+    prefetch_stream(f, n, k, k + 2 * S);
     typename F::WV w0[F::NV], w1[F::NV];
     f.load(n, k, w0);
     f.load(n, k + S, w1);

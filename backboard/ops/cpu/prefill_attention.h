@@ -40,7 +40,7 @@ constexpr int64_t kQueryBlock = 16;         // query positions per task
 constexpr int64_t kPairs = kKeyBlock / 2;
 
 struct PrefillArgs {
-  int64_t L, S, ctx, nh, nkv, r, D, nkb;    // nkb: key blocks of the sequence
+  int64_t L, ctx, nh, nkv, r, D, nkb;       // ctx: tokens before the L new ones; nkb: key blocks
   const bf16* q;
   int64_t sq_l, sq_h;
   float scale;
@@ -250,7 +250,7 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
   uint32_t* vp = kp + nkv * nkb * kKeyBlock * D / 2;
   pack_kv(k_cache, v_cache, blocks, seq_len, nkb, kp, vp);
   at::Tensor out = at::empty({L, nh, D}, q.options());
-  const PrefillArgs a{L, seq_len, seq_len - L, nh, nkv, nh / nkv, D, nkb, ptr<bf16>(q), q.stride(0), q.stride(1),
+  const PrefillArgs a{L, seq_len - L, nh, nkv, nh / nkv, D, nkb, ptr<bf16>(q), q.stride(0), q.stride(1),
                       float(scale), kp, vp, ptr<bf16>(out)};
   run_prefill_tasks(a);
   return out;

@@ -58,8 +58,8 @@ inline void check_heads(const char* op, const char* name, const at::Tensor& t, i
 }
 
 // q [T, nh, D], k / v [T, nkv, D] (row strides free, last dim contiguous); q_weight, k_weight [D]
-// or both absent (no q / k norm); positions [T]; inv_freq [rot / 2] fp32; caches [num_blocks, block_size, nkv, D] contiguous;
-// slot_mapping [T] -> rope(norm(q)) [T, nh, D] contiguous; rope(norm(k)) and v written to the caches
+// or both absent (no q / k norm); positions [T]; inv_freq [rot / 2] fp32; caches [num_blocks,
+// block_size, nkv, D] contiguous; slot_mapping [T] -> rope(norm(q)) [T, nh, D] contiguous; rope(norm(k)) and v written to the caches
 inline at::Tensor qk_norm_rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const c10::optional<at::Tensor>& q_weight,
                                         const c10::optional<at::Tensor>& k_weight,
@@ -77,9 +77,7 @@ inline at::Tensor qk_norm_rope_write_kv(const at::Tensor& q, const at::Tensor& k
   BB_CHECK(q_weight.has_value() == k_weight.has_value(), op,
            ": q_weight and k_weight must both be given or both be None");
   const bool norm = q_weight.has_value();
-  if (norm) {
-    check_same_dtype(op, "q_weight", *q_weight, q);
-    check_same_dtype(op, "k_weight", *k_weight, q);
+  if (norm) {                                  // check_weight checks the dtype too
     check_weight(op, *q_weight, q);
     check_weight(op, *k_weight, q);
   }
