@@ -245,7 +245,8 @@ def main() -> None:
     rows, prefill = ([1, 16], [256]) if args.quick else ([1, 4, 16, 64], [256, 512])
     mod = gemm.module()
     print(f"CPU ISA {build.cpu_isa()}; kernels: {mod.isa() if mod else 'NOT BUILT (torch references)'}; "
-          f"threads {torch.get_num_threads()}; bf16 rows path up to M={gemm.POLICY[build.cpu_isa()][0]}; "
+          f"threads {torch.get_num_threads()}; bf16 rows path up to M={gemm.POLICY[build.cpu_isa()][0]}"
+          f"{f' (AMX tiles from 4 to {gemm.AMX_ROWS_MAX} rows)' if mod and mod.amx() else ''}; "
           f"clock: {args.clock}")
     fl = Floors()
     print(fl, flush=True)

@@ -124,7 +124,7 @@ def test_rejects_bad_arguments():
 
 @pytest.mark.parametrize("isa", TEST_ISAS)
 def test_only_bf16_dot_builds_have_the_kernel(isa):
-    assert built(isa).has_prefill_attention() == (isa == "avx512_bf16")
+    assert built(isa).has_prefill_attention() == (isa in ("amx_bf16", "avx512_bf16"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

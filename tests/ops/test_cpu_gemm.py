@@ -119,6 +119,34 @@ def test_bf16_rows_in_lanes_match_the_reference(mod, M):
             torch.testing.assert_close(y16, ref.bfloat16(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("M", (4, 5, 16, 17, 33, 64))
+def test_bf16_rows_on_amx_tiles_match_the_reference(mod, M):
+    """bf16 x of 4+ rows with K a multiple of 32 takes AMX tiles on amx_bf16 (gemm_amx.h: the
+    weight's channels as tile rows, C^T transposed on the way out): whole 32-channel tasks with
+    the N % 32 tail on the VDPBF16PS paths (N = 32, 67, 101), partial and paired 16-row blocks,
+    strided rows, a K of several tiles, bias, fp32 and bf16 outputs; use_amx=False gives the same
+    sums, and so must every other level (which ignores the flag)."""
+    for N, K in ((32, 32), (67, 96), (101, 2048)):
+        w = torch.randn(N, K).bfloat16()
+        x = torch.randn(M, K + 32).bfloat16()[:, :K]         # strided rows
+        b = torch.randn(N)
+        ref = _ref_bf16(x, w) + b
+        for amx in (True, False):
+            _close_fp32(mod.linear_bf16(x, w, b, True, False, True, amx), ref)
+            y16 = mod.linear_bf16(x, w, b, False, False, True, amx)
+            torch.testing.assert_close(y16, ref.bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_amx_tiles_run_where_the_cpu_has_them(mod):
+    """The amx_bf16 build asks Linux for the tile state once (arch_prctl) and uses AMX wherever
+    the CPU has AMX-BF16; every other build reports no AMX. A K that is not a multiple of 32
+    (no whole tile) still gives the right sums on the other paths."""
+    flags = build.cpu_flags()
+    assert mod.amx() == (mod.isa() == "amx_bf16" and {"amx_tile", "amx_bf16"} <= flags)
+    w, x = torch.randn(64, 100).bfloat16(), torch.randn(8, 100).bfloat16()
+    _close_fp32(mod.linear_bf16(x, w, None, True, False), _ref_bf16(x, w))
+
+
 def test_bf16_strided_rows_and_batched_shapes(mod):
     w = torch.randn(40, 72).bfloat16()
     x = torch.randn(6, 2 * 72)[:, :72]                   # rows strided, elements contiguous

@@ -1,15 +1,15 @@
 """Build and load the C++ CPU kernels: `torch.utils.cpp_extension`, compiled on first use and
 cached on disk, one build per instruction-set level.
 
-    isa = cpu_isa()                    # "avx512_bf16" | "avx512" | "avx2" | "portable"
+    isa = cpu_isa()                    # "amx_bf16" | "avx512_bf16" | "avx512" | "avx2" | "portable"
     mod = load_kernels("gemm", ["gemm.cpp"], isa)    # None when no compiler: use the references
 
 A kernel family is one or more `.cpp` files in this folder. Each ISA level compiles the same
-sources with its own `-m` flags and a macro (`BB_ISA_AVX512_BF16`, `BB_ISA_AVX512`,
-`BB_ISA_AVX2`, `BB_ISA_PORTABLE`) into an extension named `backboard_<family>_<isa>`, so one
+sources with its own `-m` flags and a macro (`BB_ISA_AMX_BF16`, which also defines
+`BB_ISA_AVX512_BF16`; `BB_ISA_AVX512_BF16`, `BB_ISA_AVX512`, `BB_ISA_AVX2`, `BB_ISA_PORTABLE`) into an extension named `backboard_<family>_<isa>`, so one
 process can load several levels side by side (tests run the machine's best level and the
 portable one). The level is chosen at run time from the CPU's flags, never at install time: the
-machines this project runs on differ (AVX2-only, AVX-512, AVX-512 with BF16).
+machines this project runs on differ (AVX2-only, AVX-512, AVX-512 with BF16, AMX).
 
 Without a working compiler (or with BACKBOARD_CPU_KERNELS=0) `load_kernels` returns None and
 logs once; callers fall back to the torch references.
@@ -34,11 +34,16 @@ ENV_DISABLE = "BACKBOARD_CPU_KERNELS"        # "0" / "off": never build, use tor
 ISA_ENV = "BACKBOARD_CPU_ISA"                # force a lower level than the CPU's best
 
 # best first; each level runs on every CPU that has the flags listed
+_AVX512_BF16 = (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+                ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c",
+                 "-mavx2"))
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # level: (CPU flags required, compiler flags)
-    "avx512_bf16": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
-                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                     "-mfma", "-mf16c", "-mavx2")),
+    # amx_bf16 is avx512_bf16 (its macro too: every AVX512-BF16 kernel is in it) plus AMX tiles
+    # for the bf16 GEMMs (gemm_amx.h)
+    "amx_bf16": ((*_AVX512_BF16[0], "amx_tile", "amx_bf16"),
+                 (*_AVX512_BF16[1], "-mamx-tile", "-mamx-bf16", "-DBB_ISA_AVX512_BF16")),
+    "avx512_bf16": _AVX512_BF16,
     "avx512": (("avx512f", "avx512bw", "avx512vl", "fma"),
                ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2")),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),

@@ -15,7 +15,9 @@
 namespace {
 
 const char* isa_name() {
-#if defined(BB_ISA_AVX512_BF16)
+#if defined(BB_ISA_AMX_BF16)
+  return "amx_bf16";
+#elif defined(BB_ISA_AVX512_BF16)
   return "avx512_bf16";
 #elif defined(BB_ISA_AVX512)
   return "avx512";

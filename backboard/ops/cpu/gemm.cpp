@@ -5,7 +5,7 @@
 //   W [N, K] as nn.Linear stores it (never repacked: the LM head is tied to the embedding)
 //   y [M, N] fp32 or bf16
 //
-// Three paths, chosen by the caller (backboard/ops/cpu/gemm.py; lanes inside linear_bf16):
+// Four paths, chosen by the caller (backboard/ops/cpu/gemm.py; lanes and amx inside linear_bf16):
 //   rows   decode (small M): each thread owns a range of output channels N; a tile of MB rows of
 //          x by NB channels keeps MB*NB fp32 vector accumulators in registers, so each weight
 //          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
@@ -16,6 +16,9 @@
 //   lanes  bf16 x with 16+ rows (12+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
 //          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
 //          at 32-64 rows)
+//   amx    bf16 x with 4+ rows on amx_bf16 builds where the CPU has AMX-BF16 (gemm_amx.h): the
+//          weight's rows as AMX tiles, x packed as for lanes; whole 32-channel blocks, the tail on
+//          lanes / rows (4-7x the lanes kernel at 16-64 rows on Sapphire Rapids)
 //   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
 //          parallel) and hand it to torch's fp32 GEMM (MKL / oneDNN), so prefill runs at the fp32
 //          matmul rate without a second fp32 copy of the weights.
@@ -26,119 +29,22 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "big_alloc.h"
+#include "gemm_formats.h"
 #include "gemm_simd.h"
 #if defined(BB_ISA_AVX512_BF16)
 #include "gemm_lanes.h"
 #endif
+#if defined(BB_ISA_AMX_BF16)
+#include "gemm_amx.h"
+#endif
 
 namespace bb {
 namespace {
-
-// ---- weight formats: NV vectors (WV) of weights per STEP elements of K ----------------------------
-// load(n, k, out)   the weights of channel n at k .. k+STEP, paired with loadx(x + k + v * XLANES)
-// at(n, k)          the address of those weights (software prefetch)
-// scalar(n, k)      one weight as fp32 (the K tail), row_scale(n) applied after the dot product
-// widen(n, dst, K)  channel n as fp32 in natural order, row scale applied (the prefill panel)
-
-// x permuted in blocks of 2 VW (even elements, then odd: permute_x): a bf16 pair is widened by a
-// shift and an and, half the work of widening element by element
-struct Bf16W {                       // bf16 weights, fp32 activations
-  static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
-  using XT = float; using WV = VF; using XV = VF;
-  const uint16_t* w; int64_t ldw;
-  void load(int64_t n, int64_t k, WV* o) const { vload_bf16x2(w + n * ldw + k, o[0], o[1]); }
-  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
-  static XV loadx(const float* p) { return vload(p); }
-  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
-  static float xs(float v) { return v; }
-  float scalar(int64_t n, int64_t k) const { return bf16_to_f32(w[n * ldw + k]); }
-  float row_scale(int64_t) const { return 1.f; }
-  int64_t vector_k(int64_t K) const { return K - K % STEP; }
-  void widen(int64_t n, float* dst, int64_t K) const {
-    const uint16_t* s = w + n * ldw;
-    int64_t k = 0;
-    for (; k + VW <= K; k += VW) vstore(dst + k, vload_bf16(s + k));
-    for (; k < K; ++k) dst[k] = bf16_to_f32(s[k]);
-  }
-};
-
-struct Int8W {                       // int8 weights, fp32 scale per output channel
-  static constexpr int STEP = VW, NV = 1, XLANES = VW;
-  using XT = float; using WV = VF; using XV = VF;
-  const int8_t* q; int64_t ldq; const float* scale;
-  void load(int64_t n, int64_t k, WV* o) const { o[0] = vload_i8(q + n * ldq + k); }
-  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k; }
-  static XV loadx(const float* p) { return vload(p); }
-  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
-  static float xs(float v) { return v; }
-  float scalar(int64_t n, int64_t k) const { return float(q[n * ldq + k]); }
-  float row_scale(int64_t n) const { return scale[n]; }
-  int64_t vector_k(int64_t K) const { return K - K % STEP; }
-  void widen(int64_t n, float* dst, int64_t K) const {
-    const int8_t* s = q + n * ldq;
-    const float sc = scale[n];
-    for (int64_t k = 0; k < K; ++k) dst[k] = float(s[k]) * sc;
-  }
-};
-
-// int4: byte j holds element 2j (low nibble) and 2j+1 (high), stored as q + 8; one fp32 scale per
-// group of G elements. A step of 2*VW elements is one load of VW bytes giving the even elements
-// (lo) and the odd ones (hi), paired with x permuted as for Bf16W. Steps never straddle a group
-// when G % STEP == 0.
-struct Int4W {
-  static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
-  using XT = float; using WV = VF; using XV = VF;
-  const uint8_t* q; int64_t ldq; const float* sc; int64_t lds; int64_t G;
-  void load(int64_t n, int64_t k, WV* o) const {
-    VF s = vset1(sc[n * lds + k / G]);
-    VF m8 = vset1(-8.f * sc[n * lds + k / G]);
-    vload_u4(q + n * ldq + k / 2, o[0], o[1]);
-    o[0] = vfma(o[0], s, m8);         // (u - 8) * s
-    o[1] = vfma(o[1], s, m8);
-  }
-  const void* at(int64_t n, int64_t k) const { return q + n * ldq + k / 2; }
-  static XV loadx(const float* p) { return vload(p); }
-  static VF fma(VF acc, WV a, XV b) { return vfma(a, b, acc); }
-  static float xs(float v) { return v; }
-  float scalar(int64_t n, int64_t k) const {
-    uint8_t b = q[n * ldq + k / 2];
-    int u = (k & 1) ? (b >> 4) : (b & 15);
-    return float(u - 8) * sc[n * lds + k / G];
-  }
-  float row_scale(int64_t) const { return 1.f; }
-  int64_t vector_k(int64_t K) const { return G % STEP == 0 ? K - K % STEP : 0; }
-  void widen(int64_t n, float* dst, int64_t K) const {
-    const uint8_t* s = q + n * ldq;
-    for (int64_t j = 0; j < K / 2; ++j) {
-      float g = sc[n * lds + (2 * j) / G];
-      dst[2 * j] = float((s[j] & 15) - 8) * g;
-      dst[2 * j + 1] = float((s[j] >> 4) - 8) * g;
-    }
-  }
-};
-
-#if defined(BB_ISA_AVX512_BF16)
-struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16PS
-  static constexpr int STEP = 32, NV = 1, XLANES = 32;
-  using XT = uint16_t; using WV = __m512i; using XV = __m512i;
-  const uint16_t* w; int64_t ldw;
-  void load(int64_t n, int64_t k, WV* o) const {
-    o[0] = _mm512_loadu_si512(w + n * ldw + k);
-    asm volatile("" : "+v"(o[0]));   // keep it in a register: GCC otherwise reloads it for every row
-  }
-  const void* at(int64_t n, int64_t k) const { return w + n * ldw + k; }
-  static XV loadx(const uint16_t* p) { return _mm512_loadu_si512(p); }
-  static VF fma(VF acc, WV a, XV b) { return {_mm512_dpbf16_ps(acc.v, (__m512bh)b, (__m512bh)a)}; }
-  static float xs(uint16_t v) { return bf16_to_f32(v); }
-  float scalar(int64_t n, int64_t k) const { return bf16_to_f32(w[n * ldw + k]); }
-  float row_scale(int64_t) const { return 1.f; }
-  int64_t vector_k(int64_t K) const { return K - K % STEP; }
-};
-#endif
 
 // ---- register tiles ---------------------------------------------------------------------------
 // MB x NB for M >= 2 (accumulators + NB * NV weight vectors + one x vector fit the registers);
@@ -467,15 +373,42 @@ inline bool lanes_pays(int64_t M, int64_t N, int64_t K) {
 void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
                 int64_t K, const Out& o) {
   const int64_t mp = (M + lanes::L - 1) / lanes::L * lanes::L;
-  std::vector<uint32_t> xp(size_t(K / 2) * size_t(mp));            // zeroed: the padding rows
-  lanes::pack_x(x, ldx, M, K, xp.data(), mp);
-  lanes::run({xp.data(), mp, w, ldw, M, N, K, o.yf, o.yb, o.ldy, o.bias});
+  std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(mp)]);
+  lanes::pack_x(x, ldx, M, K, xp.get(), mp);
+  lanes::run({xp.get(), mp, w, ldw, M, N, K, o.yf, o.yb, o.ldy, o.bias});
+}
+
+// bf16 x on bf16 W with VDPBF16PS: the lanes kernel where it pays, else the rows path
+void bf16_dot(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
+              int64_t K, const Out& o, bool use_lanes) {
+  if (use_lanes && lanes_pays(M, N, K) && K % 2 == 0 && ldw % 2 == 0) lanes_path(x, ldx, M, w, ldw, N, K, o);
+  else rows_path(Bf16Dp{w, ldw}, x, ldx, M, N, K, o);
+}
+#endif
+
+#if defined(BB_ISA_AMX_BF16)
+// AMX tiles from 4 rows on: one row's GEMV and two rows' gemv_rows already stream the weights at
+// memory speed, and at 2-3 rows the tiles were 5-15% behind them (LM head 248320 x 512 on 2
+// Sapphire Rapids cores: 2 rows 8.9 vs 8.4 ms, 3 rows 9.2 vs 8.4, 4 rows 8.9 vs 9.3; 64 rows
+// 17.9 vs 70.7 on the lanes kernel)
+inline bool amx_pays(int64_t M, int64_t N, int64_t K) { return M >= 4 && N >= amx::NT && K % amx::KT == 0; }
+
+// whole blocks of 32 channels on AMX tiles (gemm_amx.h), the N % 32 tail on bf16_dot
+void amx_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
+              int64_t K, const Out& o, bool use_lanes) {
+  const int64_t mp = (M + amx::L - 1) / amx::L * amx::L, nm = N / amx::NT * amx::NT;
+  std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(mp)]);
+  lanes::pack_x(x, ldx, M, K, xp.get(), mp);
+  amx::run({xp.get(), mp, w, ldw, M, nm, K, o.yf, o.yb, o.ldy, o.bias});
+  if (nm == N) return;
+  const Out tail{o.yf ? o.yf + nm : nullptr, o.yb ? o.yb + nm : nullptr, o.ldy, o.bias ? o.bias + nm : nullptr};
+  bf16_dot(x, ldx, M, w + nm * ldw, ldw, N - nm, K, tail, use_lanes);
 }
 #endif
 
 // ---- entry points -----------------------------------------------------------------------------
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       bool out_fp32, bool panel, bool use_lanes) {
+                       bool out_fp32, bool panel, bool use_lanes, bool use_amx) {
   check_w(w, at::kBFloat16, "linear_bf16");
   const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K, "linear_bf16");
@@ -486,10 +419,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     at::Tensor y = big::empty({x.size(0), N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
     at::Tensor b = bias_fp32(bias, N);
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    if (lanes_pays(x.size(0), N, K) && K % 2 == 0 && w.stride(0) % 2 == 0 && use_lanes)
-      lanes_path(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b));
-    else
-      rows_path(Bf16Dp{wp, w.stride(0)}, xp, xb.stride(0), x.size(0), N, K, make_out(y, b));
+#if defined(BB_ISA_AMX_BF16)
+    if (use_amx && amx_pays(x.size(0), N, K) && amx::ready()) {
+      amx_path(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b), use_lanes);
+      return y;
+    }
+#endif
+    bf16_dot(xp, xb.stride(0), x.size(0), wp, w.stride(0), N, K, make_out(y, b), use_lanes);
     return y;
   }
 #endif
@@ -556,7 +492,9 @@ double sum_bf16(const at::Tensor& t) {
 }
 
 const char* isa() {
-#if defined(BB_ISA_AVX512_BF16)
+#if defined(BB_ISA_AMX_BF16)
+  return "amx_bf16";
+#elif defined(BB_ISA_AVX512_BF16)
   return "avx512_bf16";
 #elif defined(BB_ISA_AVX512)
   return "avx512";
@@ -575,7 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16", &bb::linear_bf16, "x [M,K] @ bf16 W [N,K]^T (+ bias)", "x"_a, "w"_a,
-        "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, "use_lanes"_a = true, nogil);
+        "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, "use_lanes"_a = true, "use_amx"_a = true, nogil);
   m.def("linear_int8", &bb::linear_int8, "x @ (int8 q [N,K] * scale [N])^T (+ bias)", "x"_a, "q"_a,
         "scale"_a, "bias"_a = py::none(), "out_fp32"_a = true, "panel"_a = false, nogil);
   m.def("linear_int4", &bb::linear_int4, "x @ dequant_int4(packed [N,K/2], scales [N,K/G])^T",
@@ -587,4 +525,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT4_STEP") = 2 * bb::VW;
   m.attr("MB") = bb::MB;
   m.attr("NB") = bb::NB;
+#if defined(BB_ISA_AMX_BF16)
+  m.def("amx", &bb::amx::ready, "whether AMX tiles run here (AMX-BF16 and the kernel granted the tile state)");
+#else
+  m.def("amx", [] { return false; }, "whether AMX tiles run here (not in this build)");
+#endif
 }

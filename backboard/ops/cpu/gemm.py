@@ -16,6 +16,10 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
           by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
+  amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
+          (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
+          reached 220 GFLOP/s and oneDNN 0.8-1.2); from 192 rows on oneDNN (which also uses AMX
+          there, with weights reordered per call) was as fast or faster, so native takes over
 The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, one Zen 4 core: with VDPBF16PS
 the rows path matches oneDNN's bf16 matmul up to M = 64-128; AVX2 rows match MKL's fp32 GEMM up to
 M = 128 and trail the panel path by ~10% at 256).
@@ -33,7 +37,7 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 
 # level: (rows path up to M rows for bf16 weights, for int8/int4 weights; above: panel, or
 # native for bf16 weights and bf16 activations where the CPU multiplies bf16 natively)
-POLICY = {"avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
+POLICY = {"amx_bf16": (64, 48, "native"), "avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
           "avx2": (64, 48, "panel"), "portable": (8, 8, "panel")}
 
 
@@ -43,7 +47,14 @@ def module(isa: str | None = None):
     return load_kernels(FAMILY, SOURCES, isa or cpu_isa())
 
 
-def _panel(mod, M: int, quantized: bool) -> bool:
+# bf16 x on AMX tiles up to this many rows (2 Sapphire Rapids cores, bf16 weights: 128 rows of a
+# 2048 x 512 layer 0.164 vs 0.201 ms in oneDNN, 192 rows 0.258 vs 0.255, 512 rows 0.62 vs 0.47)
+AMX_ROWS_MAX = 128
+
+
+def _panel(mod, M: int, quantized: bool, x_bf16: bool = False) -> bool:
+    if x_bf16 and not quantized and mod.amx():
+        return M > AMX_ROWS_MAX
     return M > POLICY[mod.isa()][int(quantized)]
 
 
@@ -58,7 +69,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     mod = mod or module()
     out_fp32 = (out_dtype or x.dtype) == torch.float32
     x2 = x if x.dim() == 2 else _rows_2d(x)
-    large = _panel(mod, x2.shape[0], False)
+    large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
     if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
         y = F.linear(x, w, bias)
         return y.float() if out_fp32 else y

@@ -1,6 +1,6 @@
 // A small fp32 SIMD vector for the CPU kernels, one implementation per ISA level (build.py
 // compiles each level with its own -m flags and one BB_ISA_<LEVEL> macro):
-//   BB_ISA_AVX512_BF16 / BB_ISA_AVX512: 16 lanes (__m512; native bf16 rounding with AVX512-BF16)
+//   BB_ISA_AVX512_BF16 / BB_ISA_AVX512: 16 lanes (BB_ISA_AMX_BF16 builds define AVX512_BF16 too) (__m512; native bf16 rounding with AVX512-BF16)
 //   BB_ISA_AVX2:                        8 lanes (__m256)
 //   otherwise (portable):               8 lanes in a plain array (the compiler's baseline SIMD)
 //
@@ -14,7 +14,9 @@
 #include <cstring>
 
 // every level's symbols in their own namespace: one process loads several levels side by side
-#if defined(BB_ISA_AVX512_BF16)
+#if defined(BB_ISA_AMX_BF16)
+#define BB_ISA_NAMESPACE isa_amx_bf16
+#elif defined(BB_ISA_AVX512_BF16)
 #define BB_ISA_NAMESPACE isa_avx512_bf16
 #elif defined(BB_ISA_AVX512)
 #define BB_ISA_NAMESPACE isa_avx512
