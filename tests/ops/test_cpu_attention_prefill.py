@@ -1,7 +1,8 @@
 """The C++ causal prefill attention (ops/cpu/prefill_attention.h, AVX512-BF16 builds) against the
 fp32 oracle and torch's bf16 SDPA (ops.attention.paged_attention_prefill_ref): spans with and
 without earlier context, lengths off the 16-query and 32-key blocks, GQA ratios, head dims,
-block sizes, shuffled block tables; the dispatcher's choice on every ISA level."""
+block sizes, shuffled block tables; on AMX CPUs both the AMX tiles (amx_bf16) and VDPBF16PS
+(avx512_bf16); the dispatcher's choice on every ISA level."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from backboard.ops.cpu.build import supported_isas
 from tests.ops.cpu_isas import TEST_ISAS, built
 
 HAS_BF16_DOT = "avx512_bf16" in supported_isas()
+# the builds with the kernel this CPU runs: amx_bf16 runs its products on AMX tiles
+DOT_ISAS = [lv for lv in ("amx_bf16", "avx512_bf16") if lv in supported_isas()] or ["avx512_bf16"]
+dot_isa = pytest.mark.parametrize("isa", DOT_ISAS)
 
 
 def make_inputs(L, S, nh, nkv, D, bs, spare=3):
@@ -48,12 +52,13 @@ CASES = {
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="the kernel needs VDPBF16PS; test_dispatch_* covers this CPU")
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_attention_matches_oracle_and_sdpa(case, close):
-    built("avx512_bf16")
+@dot_isa
+def test_prefill_attention_matches_oracle_and_sdpa(case, isa, close):
+    built(isa)
     L, S, nh, nkv, D, bs = CASES[case]
     q, kc, vc, row = make_inputs(L, S, nh, nkv, D, bs)
     scale = D ** -0.5
-    out = decode_ops.paged_attention_prefill(q, kc, vc, row, S, scale, isa="avx512_bf16")
+    out = decode_ops.paged_attention_prefill(q, kc, vc, row, S, scale, isa=isa)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     oracle = attention_ref(q, dense_kv(kc, row, S), dense_kv(vc, row, S), scale, ctx=S - L)
     close(out, oracle, torch.bfloat16, rtol=2e-2, atol=1.5e-2)
@@ -61,11 +66,12 @@ def test_prefill_attention_matches_oracle_and_sdpa(case, close):
 
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="the kernel needs VDPBF16PS")
-def test_comparison_catches_wrong_causal_limit_and_gqa(close, differs):
-    built("avx512_bf16")
+@dot_isa
+def test_comparison_catches_wrong_causal_limit_and_gqa(isa, close, differs):
+    built(isa)
     L, S, nh, nkv, D = 40, 56, 4, 2, 64
     q, kc, vc, row = make_inputs(L, S, nh, nkv, D, 8)
-    out = decode_ops.paged_attention_prefill(q, kc, vc, row, S, 0.125, isa="avx512_bf16")
+    out = decode_ops.paged_attention_prefill(q, kc, vc, row, S, 0.125, isa=isa)
     k, v = dense_kv(kc, row, S), dense_kv(vc, row, S)
     close(out, attention_ref(q, k, v, 0.125, ctx=S - L), torch.bfloat16, atol=1.5e-2)
     differs(out, attention_ref(q, k, v, 0.125, ctx=S - L + 1), torch.bfloat16, atol=1.5e-2)   # one key too many
@@ -80,10 +86,11 @@ def test_comparison_catches_wrong_causal_limit_and_gqa(close, differs):
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="the kernel needs VDPBF16PS")
 @pytest.mark.parametrize("threads", [1, 3])
-def test_strided_query_int64_table_and_thread_counts(threads, close):
+@dot_isa
+def test_strided_query_int64_table_and_thread_counts(threads, isa, close):
     """q as the q part of a joined projection (head stride past D), an int64 block table, and
     task counts that do not divide evenly over the threads."""
-    built("avx512_bf16")
+    built(isa)
     L, S, nh, nkv, D = 70, 90, 4, 2, 64
     q, kc, vc, row = make_inputs(L, S, nh, nkv, D, 16)
     joined = torch.randn(L, nh, 2 * D).bfloat16()
@@ -91,7 +98,7 @@ def test_strided_query_int64_table_and_thread_counts(threads, close):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = decode_ops.paged_attention_prefill(joined[..., :D], kc, vc, row.long(), S, 0.1, isa="avx512_bf16")
+        out = decode_ops.paged_attention_prefill(joined[..., :D], kc, vc, row.long(), S, 0.1, isa=isa)
     finally:
         torch.set_num_threads(prev)
     close(out, attention_ref(q, dense_kv(kc, row, S), dense_kv(vc, row, S), 0.1, ctx=S - L), torch.bfloat16,

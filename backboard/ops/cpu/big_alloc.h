@@ -67,10 +67,11 @@ inline void* take(size_t n, size_t* got) {
   return p;
 }
 
-inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opt) {
+// min_bytes: smaller tensors come from at::empty (scratch reused every call may ask for less)
+inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opt, size_t min_bytes = MIN_BYTES) {
   size_t n = size_t(c10::elementSize(c10::typeMetaToScalarType(opt.dtype())));
   for (int64_t s : sizes) n *= size_t(s);
-  if (n < MIN_BYTES) return at::empty(sizes, opt);
+  if (n < min_bytes) return at::empty(sizes, opt);
   size_t got = 0;
   void* p = take(n, &got);
   return at::from_blob(p, sizes, [got](void* q) { give(q, got); }, opt);

@@ -45,7 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build has paged_attention_prefill (VDPBF16PS: AVX512-BF16 builds only)");
 #if defined(BB_ISA_AVX512_BF16)
   m.def("paged_attention_prefill", &bb::paged_attention_prefill,
-        "causal bf16 prefill attention of one request (see ops.attention.paged_attention_prefill_ref)");
+        "causal bf16 prefill attention of one request (see ops.attention.paged_attention_prefill_ref)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table_row"), py::arg("seq_len"),
+        py::arg("scale"), py::arg("use_amx") = true);
 #endif
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
   m.def("rms_norm", &bb::rms_norm, "RMSNorm (see ops.norm.rms_norm)");

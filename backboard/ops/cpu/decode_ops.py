@@ -83,17 +83,19 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def has_prefill_attention(isa: str | None = None) -> bool:
-    """Whether paged_attention_prefill is built for `isa` (VDPBF16PS: AVX512-BF16 only)."""
+    """Whether paged_attention_prefill is built for `isa` (VDPBF16PS or AMX tiles: the avx512_bf16
+    and amx_bf16 builds)."""
     mod = kernels(isa)
     return mod is not None and mod.has_prefill_attention()
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table_row: torch.Tensor, seq_len: int, scale: float, *,
-                            isa: str | None = None) -> torch.Tensor:
+                            isa: str | None = None, use_amx: bool = True) -> torch.Tensor:
     """See ops.attention.paged_attention_prefill_ref: q [L, nh, D] bf16 (head_dim a multiple of 32),
-    the last L of seq_len tokens already in the caches -> [L, nh, D]."""
-    return _mod(isa).paged_attention_prefill(q, k_cache, v_cache, block_table_row, seq_len, scale)
+    the last L of seq_len tokens already in the caches -> [L, nh, D]. On amx_bf16 builds the
+    products run on AMX tiles (use_amx=False: on VDPBF16PS, as avx512_bf16 builds do)."""
+    return _mod(isa).paged_attention_prefill(q, k_cache, v_cache, block_table_row, seq_len, scale, use_amx)
 
 
 def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:

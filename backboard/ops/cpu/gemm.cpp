@@ -374,7 +374,7 @@ void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, in
                 int64_t K, const Out& o) {
   const int64_t mp = (M + lanes::L - 1) / lanes::L * lanes::L;
   std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(mp)]);
-  lanes::pack_x(x, ldx, M, K, xp.get(), mp);
+  lanes::pack_x(x, ldx, M, K, xp.get(), mp, mp);
   lanes::run({xp.get(), mp, w, ldw, M, N, K, o.yf, o.yb, o.ldy, o.bias});
 }
 
@@ -398,7 +398,7 @@ void amx_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int6
               int64_t K, const Out& o, bool use_lanes) {
   const int64_t mp = (M + amx::L - 1) / amx::L * amx::L, nm = N / amx::NT * amx::NT;
   std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(mp)]);
-  lanes::pack_x(x, ldx, M, K, xp.get(), mp);
+  lanes::pack_x(x, ldx, M, K, xp.get(), std::min(mp, amx::MC), mp);
   amx::run({xp.get(), mp, w, ldw, M, nm, K, o.yf, o.yb, o.ldy, o.bias});
   if (nm == N) return;
   const Out tail{o.yf ? o.yf + nm : nullptr, o.yb ? o.yb + nm : nullptr, o.ldy, o.bias ? o.bias + nm : nullptr};

@@ -17,69 +17,38 @@
 #pragma once
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cpuid.h>
 #include <cstdint>
-#include <vector>
 
-#include "gemm_lanes.h"      // pack_x, transpose16
+#include "amx_tiles.h"       // ready, Tiles
+#include "gemm_lanes.h"      // pack_x
+#include "transpose.h"
 
 namespace bb {
 namespace amx {
 
-constexpr int L = 16;          // rows (and channels) per tile
 constexpr int KT = 32;         // K elements per A tile row (64 bytes)
 constexpr int NT = 2 * L;      // channels per task
-#ifndef BB_AMX_PF_HINT
-#define BB_AMX_PF_HINT _MM_HINT_T1
-#endif
-constexpr auto PF_HINT = BB_AMX_PF_HINT;
+// rows per chunk of packed x: a B tile's 16 rows lie MC * 4 bytes apart; at the whole M's stride
+// (4-8 KiB from 1024 rows on) they all fell into one L1 set and prefill ran at a third of the rate
+constexpr int64_t MC = 128;
+constexpr auto PF_HINT = _MM_HINT_T1;   // the next task's weights into L2 (T0 measured no better)
 
 struct Args {
-  const uint32_t* xp; int64_t mp;          // packed x [K/2][mp], mp % 16 == 0
+  const uint32_t* xp; int64_t mp;          // packed x: rows padded to mp (% 16 == 0) in blocks of
+                                           // MC rows [mp / MC][K/2][MC] (one block [K/2][mp] when
+                                           // mp <= MC: lanes::pack_x with ld = min(mp, MC))
   const uint16_t* w; int64_t ldw;          // W [N, K]
   int64_t M, N, K;                         // N % 32 == 0, K % 32 == 0
   float* yf; uint16_t* yb; int64_t ldy; const float* bias;
-};
-
-// The CPU has AMX-BF16 and Linux granted this process the tile state (arch_prctl: since 5.16
-// a process must ask before its first tile instruction, or it gets SIGILL). Asked once.
-inline bool ready() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// palette 1, all 8 tiles 16 rows x 64 bytes (C: 16 x 16 fp32; A: 16 x 32 bf16; B: 16 K pairs x 16)
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The tile configuration is per thread: every parallel chunk sets it and releases it after.
-class Tiles {
- public:
-  Tiles() {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) { c.rows[t] = L; c.colsb[t] = 64; }
-    _tile_loadconfig(&c);
-  }
-  ~Tiles() { _tile_release(); }
 };
 
 // c [16 channels][16 rows] (a stored C tile) -> y[m0 + i][n0 .. n0 + 16] + bias, rows past M skipped
 inline void store_block(const Args& a, const float* c, int64_t m0, int64_t n0) {
   __m512 r[16];
   for (int j = 0; j < L; ++j) r[j] = _mm512_load_ps(c + j * L);
-  lanes::transpose16(r);
+  simd16::transpose16(r);
   const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
   for (int i = 0; i < L && m0 + i < a.M; ++i) {
     const __m512 v = _mm512_add_ps(r[i], bias);
@@ -109,9 +78,9 @@ inline void task_rows(const Args& a, int64_t n0, int64_t m0, int64_t k0, int64_t
   }
   const uint16_t* w0 = a.w + n0 * a.ldw;
   const uint16_t* w1 = w0 + L * a.ldw;
-  const int64_t sw = a.ldw * 2, sx = a.mp * 4;
-  const uint32_t* xk = a.xp + (k0 / 2) * a.mp + m0;
-  for (int64_t k = k0; k < k1; k += KT, xk += (KT / 2) * a.mp) {
+  const int64_t ld = std::min(a.mp, MC), sw = a.ldw * 2, sx = ld * 4;
+  const uint32_t* xk = a.xp + (m0 / ld) * (a.K / 2) * ld + (k0 / 2) * ld + m0 % ld;
+  for (int64_t k = k0; k < k1; k += KT, xk += (KT / 2) * ld) {
     if (pf)
       for (int r = 0; r < NT; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * a.ldw + k), PF_HINT);
     _tile_loadd(4, w0 + k, sw);
@@ -138,28 +107,31 @@ inline void task_rows(const Args& a, int64_t n0, int64_t m0, int64_t k0, int64_t
 // last task has none). part: 4 tiles of partial sums per pair of row blocks.
 constexpr int64_t KB = 512;
 
-inline void task(const Args& a, int64_t n0, float* part) {
-  const int64_t vecs = a.mp / L;
+inline void task(const Args& a, int64_t n0, float* part, int64_t v0, int64_t v1) {
   const uint16_t* next = n0 + 2 * NT <= a.N ? a.w + (n0 + NT) * a.ldw : nullptr;
   for (int64_t k0 = 0; k0 < a.K; k0 += KB) {
     const int64_t k1 = std::min(a.K, k0 + KB);
     const uint16_t* pf = next;
-    int64_t v = 0;
-    for (; v + 2 <= vecs; v += 2, pf = nullptr) task_rows<2>(a, n0, v * L, k0, k1, part + v * 2 * L * L, pf);
-    if (v < vecs) task_rows<1>(a, n0, v * L, k0, k1, part + v * 2 * L * L, pf);
+    int64_t v = v0;
+    for (; v + 2 <= v1; v += 2, pf = nullptr) task_rows<2>(a, n0, v * L, k0, k1, part + (v - v0) * 2 * L * L, pf);
+    if (v < v1) task_rows<1>(a, n0, v * L, k0, k1, part + (v - v0) * 2 * L * L, pf);
   }
 }
 
-// threads over tasks of 32 channels, each thread setting up its tiles once per chunk
+// Rows in chunks of MC (prefill sizes): a K span of x for MC rows (128 KiB) stays in L2 while
+// every task reads it. Within a chunk threads share tasks of 32 channels, each thread setting
+// up its tiles once.
 inline void run(const Args& a) {
-  const int64_t tasks = a.N / NT;
+  const int64_t tasks = a.N / NT, vecs = a.mp / L, chunk = MC / L;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(a.K, 1) * NT));
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    Tiles tiles;
-    std::vector<float> part(size_t((a.mp / L + 1) * 2 * L * L) + 16);
-    float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(part.data()) + 63) & ~uintptr_t(63));
-    for (int64_t t = t0; t < t1; ++t) task(a, t * NT, p);
-  });
+  for (int64_t c0 = 0; c0 < vecs; c0 += chunk) {
+    const int64_t c1 = std::min(vecs, c0 + chunk);
+    at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+      Tiles tiles;
+      alignas(64) float part[(MC / L + 1) * 2 * L * L];
+      for (int64_t t = t0; t < t1; ++t) task(a, t * NT, part, c0, c1);
+    });
+  }
 }
 
 }  // namespace amx

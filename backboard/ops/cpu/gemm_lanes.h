@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "transpose.h"
+
 namespace bb {
 namespace lanes {
 
@@ -37,50 +39,34 @@ inline uint32_t pair_at(const uint16_t* p) {
   return v;
 }
 
-// r[0..15] -> r[j][i] = old r[i][j] (a 16 x 16 fp32 transpose in 64 shuffles)
-inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+// rows m0 .. m0 + 16 of x into xp, packed in blocks of mp rows: xp[blk][kp][m % mp] = the bf16
+// pair x[m][2kp .. 2kp+1] with blk = m / mp (mp % 16 == 0; rows past M are zero). 16 x 16
+// blocks of pairs transposed in registers (pair by pair, the strided stores took as long as a
+// K = 2048 layer's AMX GEMM at 64 rows).
+inline void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xp, int64_t mp, int64_t m0) {
+  const int64_t KP = K / 2, kpv = KP - KP % 16;
+  const int rows = int(std::clamp<int64_t>(M - m0, 0, L));
+  const uint16_t* xr = x + std::min(m0, M) * ldx;
+  uint32_t* d = xp + (m0 / mp) * KP * mp + m0 % mp;
+  for (int64_t kp = 0; kp < kpv; kp += 16) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(xr + i * ldx + 2 * kp)) : _mm512_setzero_ps();
+    simd16::transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(d + (kp + j) * mp), r[j]);
   }
-  __m512 u[16];           // u[4b + c], 128-bit lane l: column 4l + c of rows 4b .. 4b + 3
-  for (int i = 0; i < 16; i += 4) {
-    const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
-    const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
-    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-  }
-  for (int c = 0; c < 4; ++c) {             // a 4 x 4 transpose of 128-bit lanes per c
-    const __m512 p0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 p2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512 p3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_f32x4(p0, p2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(p0, p2, 0xDD);
-    r[8 + c] = _mm512_shuffle_f32x4(p1, p3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(p1, p3, 0xDD);
-  }
+  for (int64_t kp = kpv; kp < KP; ++kp)
+    for (int i = 0; i < L; ++i) d[kp * mp + i] = i < rows ? pair_at(xr + i * ldx + 2 * kp) : 0u;
 }
 
-// xp[kp][m] = the bf16 pair x[m][2kp .. 2kp+1] for m < mp (mp % 16 == 0; rows M .. mp are
-// zero): 16 x 16 blocks of pairs transposed in registers (pair by pair, the strided stores
-// took as long as a K = 2048 layer's AMX GEMM at 64 rows)
-inline void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xp, int64_t mp) {
-  const int64_t KP = K / 2, kpv = KP - KP % 16;
-  for (int64_t m0 = 0; m0 < mp; m0 += L) {
-    const int rows = int(std::clamp<int64_t>(M - m0, 0, L));
-    for (int64_t kp = 0; kp < kpv; kp += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(x + (m0 + i) * ldx + 2 * kp)) : _mm512_setzero_ps();
-      transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(xp + (kp + j) * mp + m0), r[j]);
-    }
-    for (int64_t kp = kpv; kp < KP; ++kp)
-      for (int i = 0; i < L; ++i) xp[kp * mp + m0 + i] = i < rows ? pair_at(x + (m0 + i) * ldx + 2 * kp) : 0u;
-  }
+// rows padded to rows_total (a multiple of 16) in blocks of mp rows (mp % 16 == 0; the lanes
+// kernel takes one block, mp = rows_total), in parallel over 16-row blocks
+inline void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* xp, int64_t mp,
+                   int64_t rows_total) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (std::max<int64_t>(K, 1) * L));
+  at::parallel_for(0, rows_total / L, grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) pack_rows(x, ldx, M, K, xp, mp, i * L);
+  });
 }
 
 // r[0..7] (8 channels, 8 rows each) -> r[l] = row l's 8 channels

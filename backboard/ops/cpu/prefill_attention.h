@@ -24,11 +24,19 @@
 
 #include <atomic>
 #include <limits>
+#include <optional>
 #include <vector>
 
+#include "big_alloc.h"
 #include "paged_attention.h"
 #include "simd.h"
 #include "tensor_args.h"
+#if defined(BB_ISA_AVX512_BF16)
+#include "transpose.h"
+#endif
+#if defined(BB_ISA_AMX_BF16)
+#include "amx_tiles.h"
+#endif
 
 namespace bb {
 inline namespace BB_ISA_NAMESPACE {
@@ -49,18 +57,31 @@ struct PrefillArgs {
 };
 
 // ---- packing ------------------------------------------------------------------------------
-// rows[j] (j < n, n <= kKeyBlock): key j of the block (D bf16, as uint32 pairs); missing keys are 0
+// rows[j] (j < n, n <= kKeyBlock): key j of the block (D bf16, as uint32 pairs); missing keys are 0.
+// 16 keys x 16 pairs at a time, transposed in registers (pair by pair it took a sixth of a
+// 1024-token prefill's attention once the products ran on AMX tiles)
 inline void pack_k_block(const uint32_t* const* rows, int64_t n, int64_t Dp, uint32_t* kp) {
-  for (int64_t i = 0; i < Dp; ++i)
-    for (int64_t j = 0; j < kKeyBlock; ++j) kp[i * kKeyBlock + j] = j < n ? rows[j][i] : 0u;
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
+    for (int64_t i0 = 0; i0 + 16 <= Dp; i0 += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j0 + j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(rows[j0 + j] + i0)) : _mm512_setzero_ps();
+      simd16::transpose16(r);
+      for (int t = 0; t < 16; ++t) _mm512_storeu_ps(reinterpret_cast<float*>(kp + (i0 + t) * kKeyBlock + j0), r[t]);
+    }
+  }
 }
 
+// pair jp of column d = (v_2jp[d], v_2jp+1[d]): 16 columns at a time, zero-extended and joined
 inline void pack_v_block(const bf16* const* rows, int64_t n, int64_t D, uint32_t* vp) {
   for (int64_t jp = 0; jp < kPairs; ++jp) {
     const int64_t j0 = 2 * jp, j1 = 2 * jp + 1;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = j0 < n ? rows[j0][d] : 0u, hi = j1 < n ? rows[j1][d] : 0u;
-      vp[jp * D + d] = lo | hi << 16;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i lo = j0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[j0] + d)))
+                                : _mm512_setzero_si512();
+      const __m512i hi = j1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[j1] + d)))
+                                : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + jp * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
@@ -125,6 +146,70 @@ inline void pv_rows(float* o, int64_t M, int64_t D, const float* alpha, const ui
   for (; m < M; ++m) pv_rows_of<1>(o + m * D, D, alpha + m, p + m * kPairs, vp);
 }
 
+#if defined(BB_ISA_AMX_BF16)
+// The same two products on AMX tiles (M % 16 == 0: the scratch holds 16 r rows, the rows past a
+// task's own are zero). The packed panels are already B tiles: K's [D/2][32] pairs give 16 pairs
+// of dims x 16 keys per tile, V's [16 key pairs][D] 16 key pairs x 16 columns; q rows [M][D] and
+// the probability pairs [M][32] are A tiles. TDPBF16PS: exact bf16 products, fp32 sums.
+
+// s [M][32] = scale * q . K: C tiles 0 (keys 0-15), 1 (16-31), A tile 2, B tiles 3, 4
+inline void qk_rows_amx(const bf16* q, int64_t M, int64_t D, const uint32_t* kp, float scale, float* s) {
+  for (int64_t m = 0; m < M; m += amx::L) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d = 0; d < D; d += 32) {
+      _tile_loadd(2, q + m * D + d, D * 2);
+      _tile_loadd(3, kp + (d / 2) * kKeyBlock, kKeyBlock * 4);
+      _tile_loadd(4, kp + (d / 2) * kKeyBlock + 16, kKeyBlock * 4);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, s + m * kKeyBlock, kKeyBlock * 4);
+    _tile_stored(1, s + m * kKeyBlock + 16, kKeyBlock * 4);
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < M * kKeyBlock; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vs));
+}
+
+// o [M][D] = o * alpha + p . V: A tile 0 = 16 rows of p, C tiles 1-4 = 64 columns of o, B 5, 6
+inline void pv_rows_amx(float* o, int64_t M, int64_t D, const float* alpha, const uint32_t* p, const uint32_t* vp) {
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + m * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + m * D + d), a));
+  }
+  const int64_t so = D * 4;
+  for (int64_t m = 0; m < M; m += amx::L) {
+    float* om = o + m * D;
+    _tile_loadd(0, p + m * kPairs, kPairs * 4);
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+      _tile_loadd(1, om + d, so);
+      _tile_loadd(2, om + d + 16, so);
+      _tile_loadd(3, om + d + 32, so);
+      _tile_loadd(4, om + d + 48, so);
+      _tile_loadd(5, vp + d, so);
+      _tile_dpbf16ps(1, 0, 5);
+      _tile_loadd(6, vp + d + 16, so);
+      _tile_dpbf16ps(2, 0, 6);
+      _tile_loadd(5, vp + d + 32, so);
+      _tile_dpbf16ps(3, 0, 5);
+      _tile_loadd(6, vp + d + 48, so);
+      _tile_dpbf16ps(4, 0, 6);
+      _tile_stored(1, om + d, so);
+      _tile_stored(2, om + d + 16, so);
+      _tile_stored(3, om + d + 32, so);
+      _tile_stored(4, om + d + 48, so);
+    }
+    for (; d < D; d += 16) {
+      _tile_loadd(1, om + d, so);
+      _tile_loadd(5, vp + d, so);
+      _tile_dpbf16ps(1, 0, 5);
+      _tile_stored(1, om + d, so);
+    }
+  }
+}
+#endif
+
 // ---- one task -----------------------------------------------------------------------------
 struct PrefillScratch {
   std::vector<uint32_t> q, p;               // [M][D/2] query pairs, [M][kPairs] probability pairs
@@ -143,6 +228,8 @@ inline int64_t load_task_rows(const PrefillArgs& a, int64_t kvh, int64_t t0, Pre
     w.m[m] = -std::numeric_limits<float>::infinity();
     w.l[m] = 0.f;
   }
+  // rows past the task's own up to the scratch's (a multiple of 16: whole AMX tiles) stay zero
+  std::fill(w.q.begin() + rows * Dp, w.q.end(), 0u);
   return rows;
 }
 
@@ -167,14 +254,25 @@ inline void store_task_rows(const PrefillArgs& a, int64_t kvh, int64_t t0, int64
   }
 }
 
-inline void prefill_task(const PrefillArgs& a, int64_t kvh, int64_t qb, PrefillScratch& w) {
+// amx: the products on AMX tiles over whole 16-row tiles (the thread has configured them)
+inline void prefill_task(const PrefillArgs& a, int64_t kvh, int64_t qb, PrefillScratch& w, bool amx) {
   const int64_t t0 = qb * kQueryBlock, rows = load_task_rows(a, kvh, t0, w), Dp = a.D / 2;
   const int64_t last_key = a.ctx + std::min(a.L, t0 + kQueryBlock);     // keys [0, last_key) are seen
   for (int64_t kb = 0; kb * kKeyBlock < last_key; ++kb) {
     const int64_t panel = kvh * a.nkb + kb;
-    qk_rows(w.q.data(), rows, Dp, a.kp + panel * Dp * kKeyBlock, a.scale, w.s.data());
+    const uint32_t *kp = a.kp + panel * Dp * kKeyBlock, *vp = a.vp + panel * kPairs * a.D;
+#if defined(BB_ISA_AMX_BF16)
+    if (amx) {
+      const int64_t tiled = (rows + amx::L - 1) / amx::L * amx::L;
+      qk_rows_amx(reinterpret_cast<const bf16*>(w.q.data()), tiled, a.D, kp, a.scale, w.s.data());
+      block_softmax(a, t0, kb * kKeyBlock, rows, w);
+      pv_rows_amx(w.o.data(), tiled, a.D, w.alpha.data(), w.p.data(), vp);
+      continue;
+    }
+#endif
+    qk_rows(w.q.data(), rows, Dp, kp, a.scale, w.s.data());
     block_softmax(a, t0, kb * kKeyBlock, rows, w);
-    pv_rows(w.o.data(), rows, a.D, w.alpha.data(), w.p.data(), a.vp + panel * kPairs * a.D);
+    pv_rows(w.o.data(), rows, a.D, w.alpha.data(), w.p.data(), vp);
   }
   store_task_rows(a, kvh, t0, rows, w);
 }
@@ -211,20 +309,26 @@ inline void pack_kv(const at::Tensor& kc, const at::Tensor& vc, const std::vecto
 }
 
 // tasks longest first (late query blocks see more keys), taken from a shared counter
-inline void run_prefill_tasks(const PrefillArgs& a) {
+inline void run_prefill_tasks(const PrefillArgs& a, bool amx) {
   const int64_t nqb = (a.L + kQueryBlock - 1) / kQueryBlock, tasks = nqb * a.nkv;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     FlushDenormals ftz;
+#if defined(BB_ISA_AMX_BF16)
+    std::optional<amx::Tiles> tiles;
+    if (amx) tiles.emplace();
+#endif
     PrefillScratch w(kQueryBlock * a.r, a.D);
-    for (int64_t i = next++; i < tasks; i = next++) prefill_task(a, i % a.nkv, nqb - 1 - i / a.nkv, w);
+    for (int64_t i = next++; i < tasks; i = next++) prefill_task(a, i % a.nkv, nqb - 1 - i / a.nkv, w, amx);
   });
 }
 
 // q [L, nh, D] bf16 (last dim contiguous); k_cache, v_cache [num_blocks, bs, nkv, D] bf16;
 // block_table_row [>= ceil(S / bs)]; seq_len S >= L -> [L, nh, D]
+// use_amx: the products on AMX tiles where the CPU has them (amx_bf16 builds; tests turn it off)
 inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& block_table_row, int64_t seq_len, double scale) {
+                                          const at::Tensor& block_table_row, int64_t seq_len, double scale,
+                                          bool use_amx) {
   RECORD_FUNCTION("bb::paged_attention_prefill", std::vector<c10::IValue>());
   const char* op = "paged_attention_prefill";
   check_dim(op, "q", q, 3);
@@ -245,14 +349,20 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
            used, " entries for ", seq_len, " tokens, has shape ", block_table_row.sizes());
   const auto blocks = read_indices(op, "block_table_row", block_table_row.slice(0, 0, used), k_cache.size(0));
   const int64_t nkb = (seq_len + kKeyBlock - 1) / kKeyBlock;
-  at::Tensor packed = at::empty({2 * nkv * nkb * kKeyBlock * D / 2}, q.options().dtype(at::kInt));
+  // from big_alloc's cache from 1 MiB on: a fresh buffer's page faults (zeroed huge pages) cost
+  // as much as the attention itself at one query over 1024-4096 keys (0.6-7 ms)
+  at::Tensor packed = big::empty({2 * nkv * nkb * kKeyBlock * D / 2}, q.options().dtype(at::kInt), size_t(1) << 20);
   uint32_t* kp = ptr<uint32_t>(packed);
   uint32_t* vp = kp + nkv * nkb * kKeyBlock * D / 2;
   pack_kv(k_cache, v_cache, blocks, seq_len, nkb, kp, vp);
   at::Tensor out = at::empty({L, nh, D}, q.options());
   const PrefillArgs a{L, seq_len - L, nh, nkv, nh / nkv, D, nkb, ptr<bf16>(q), q.stride(0), q.stride(1),
                       float(scale), kp, vp, ptr<bf16>(out)};
-  run_prefill_tasks(a);
+#if defined(BB_ISA_AMX_BF16)
+  run_prefill_tasks(a, use_amx && amx::ready());
+#else
+  run_prefill_tasks(a, false);
+#endif
   return out;
 }
 #else
