@@ -6,10 +6,11 @@ cached on disk, one build per instruction-set level.
 
 A kernel family is one or more `.cpp` files in this folder. Each ISA level compiles the same
 sources with its own `-m` flags and a macro (`BB_ISA_AMX_BF16`, which also defines
-`BB_ISA_AVX512_BF16`; `BB_ISA_AVX512_BF16`, `BB_ISA_AVX512`, `BB_ISA_AVX2`, `BB_ISA_PORTABLE`) into an extension named `backboard_<family>_<isa>`, so one
-process can load several levels side by side (tests run the machine's best level and the
-portable one). The level is chosen at run time from the CPU's flags, never at install time: the
-machines this project runs on differ (AVX2-only, AVX-512, AVX-512 with BF16, AMX).
+`BB_ISA_AVX512_BF16`; `BB_ISA_AVX512_BF16`, `BB_ISA_AVX512`, `BB_ISA_AVX2`, `BB_ISA_PORTABLE`)
+into an extension named `backboard_<family>_<isa>`, so one process can load several levels side by
+side (tests run the machine's best level and the portable one). The level is chosen at run time
+from the CPU's flags, never at install time: the machines this project runs on differ (AVX2-only,
+AVX-512, AVX-512 with BF16, AMX).
 
 Without a working compiler (or with BACKBOARD_CPU_KERNELS=0) `load_kernels` returns None and
 logs once; callers fall back to the torch references.
