@@ -119,12 +119,13 @@ def test_bf16_rows_in_lanes_match_the_reference(mod, M):
             torch.testing.assert_close(y16, ref.bfloat16(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("M", (4, 5, 16, 17, 33, 64))
+@pytest.mark.parametrize("M", (4, 5, 16, 17, 33, 64, 150))
 def test_bf16_rows_on_amx_tiles_match_the_reference(mod, M):
     """bf16 x of 4+ rows with K a multiple of 32 takes AMX tiles on amx_bf16 (gemm_amx.h: the
     weight's channels as tile rows, C^T transposed on the way out): whole 32-channel tasks with
     the N % 32 tail on the VDPBF16PS paths (N = 32, 67, 101), partial and paired 16-row blocks,
-    strided rows, a K of several tiles, bias, fp32 and bf16 outputs; use_amx=False gives the same
+    150 rows (x packed in two 128-row chunks, the second partial), strided rows, a K of several
+    tiles, bias, fp32 and bf16 outputs; use_amx=False gives the same
     sums, and so must every other level (which ignores the flag)."""
     for N, K in ((32, 32), (67, 96), (101, 2048)):
         w = torch.randn(N, K).bfloat16()

@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &bb::paged_attention_decode,
         "paged attention of uniform groups (see ops.attention.paged_attention_uniform)");
   m.def("has_prefill_attention", [] { return bb::kPrefillAttention; },
-        "whether this build has paged_attention_prefill (VDPBF16PS: AVX512-BF16 builds only)");
+        "whether this build has paged_attention_prefill (AVX512-BF16 and AMX-BF16 builds)");
 #if defined(BB_ISA_AVX512_BF16)
   m.def("paged_attention_prefill", &bb::paged_attention_prefill,
         "causal bf16 prefill attention of one request (see ops.attention.paged_attention_prefill_ref)",

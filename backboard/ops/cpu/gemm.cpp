@@ -397,8 +397,9 @@ inline bool amx_pays(int64_t M, int64_t N, int64_t K) { return M >= 4 && N >= am
 void amx_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,
               int64_t K, const Out& o, bool use_lanes) {
   const int64_t mp = (M + amx::L - 1) / amx::L * amx::L, nm = N / amx::NT * amx::NT;
-  std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(mp)]);
-  lanes::pack_x(x, ldx, M, K, xp.get(), std::min(mp, amx::MC), mp);
+  const int64_t ld = std::min(mp, amx::MC), blocks = (mp + ld - 1) / ld;   // the last block may be partial
+  std::unique_ptr<uint32_t[]> xp(new uint32_t[size_t(K / 2) * size_t(blocks * ld)]);
+  lanes::pack_x(x, ldx, M, K, xp.get(), ld, mp);
   amx::run({xp.get(), mp, w, ldw, M, nm, K, o.yf, o.yb, o.ldy, o.bias});
   if (nm == N) return;
   const Out tail{o.yf ? o.yf + nm : nullptr, o.yb ? o.yb + nm : nullptr, o.ldy, o.bias ? o.bias + nm : nullptr};

@@ -18,8 +18,8 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
   amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
           (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
-          reached 220 GFLOP/s and oneDNN 0.8-1.2); from 192 rows on oneDNN (which also uses AMX
-          there, with weights reordered per call) was as fast or faster, so native takes over
+          reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
+          there) was as fast or faster, so native takes over
 The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, one Zen 4 core: with VDPBF16PS
 the rows path matches oneDNN's bf16 matmul up to M = 64-128; AVX2 rows match MKL's fp32 GEMM up to
 M = 128 and trail the panel path by ~10% at 256).

@@ -12,8 +12,9 @@
 // packed as for the lanes kernel (xp [K/2][Mp], lane m of pair kp = x[m][2kp .. 2kp+1]) is B's,
 // so a tile computes C^T = W x^T: 16 channels x 16 rows, transposed on the way out. A task owns
 // 32 channels (two A tiles), walks down M two 16-row blocks at a time (four C tiles, two B
-// tiles: all 8 tile registers) and reads its weights from memory once per call; from the second
-// pair of row blocks on they come from L1/L2. Tasks over channel blocks share the threads.
+// tiles: all 8 tile registers) and reads its weights from memory once per chunk of MC rows; from
+// the second pair of row blocks on they come from L1/L2. Tasks over channel blocks share the
+// threads.
 #pragma once
 
 #include <immintrin.h>
@@ -33,7 +34,6 @@ constexpr int NT = 2 * L;      // channels per task
 // rows per chunk of packed x: a B tile's 16 rows lie MC * 4 bytes apart; at the whole M's stride
 // (4-8 KiB from 1024 rows on) they all fell into one L1 set and prefill ran at a third of the rate
 constexpr int64_t MC = 128;
-constexpr auto PF_HINT = _MM_HINT_T1;   // the next task's weights into L2 (T0 measured no better)
 
 struct Args {
   const uint32_t* xp; int64_t mp;          // packed x: rows padded to mp (% 16 == 0) in blocks of
@@ -58,31 +58,22 @@ inline void store_block(const Args& a, const float* c, int64_t m0, int64_t n0) {
   }
 }
 
-// K .. k1 of rows m0 .. m0 + 16 * TM and channels n0 .. n0 + 32: C tiles 0, 1 (rows m0..) and
-// 2, 3 (the next 16 rows), A tiles 4, 5 (the two channel halves), B tiles 6, 7. The sums start
-// at zero for k0 = 0, else from part (4 tiles, stored there by the span before); they go back
-// to part unless k1 = K, where they are stored to y. pf: the next task's weights (nullptr:
-// none), fetched into L2 while this span computes.
+// rows m0 .. m0 + 16 * TM and channels n0 .. n0 + 32: C tiles 0, 1 (rows m0..) and 2, 3 (the
+// next 16 rows), A tiles 4, 5 (the two channel halves), B tiles 6, 7; stored through c (4 tiles)
+// to y. pf: the next task's weights (nullptr: none), fetched into L2 while this one computes.
 template <int TM>
-inline void task_rows(const Args& a, int64_t n0, int64_t m0, int64_t k0, int64_t k1, float* part,
-                      const uint16_t* pf) {
+inline void task_rows(const Args& a, int64_t n0, int64_t m0, float* c, const uint16_t* pf) {
   static_assert(TM == 1 || TM == 2, "one or two row blocks");
-  if (k0 == 0) {
-    _tile_zero(0);
-    _tile_zero(1);
-    if constexpr (TM == 2) { _tile_zero(2); _tile_zero(3); }
-  } else {
-    _tile_loadd(0, part, 64);
-    _tile_loadd(1, part + L * L, 64);
-    if constexpr (TM == 2) { _tile_loadd(2, part + 2 * L * L, 64); _tile_loadd(3, part + 3 * L * L, 64); }
-  }
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TM == 2) { _tile_zero(2); _tile_zero(3); }
   const uint16_t* w0 = a.w + n0 * a.ldw;
   const uint16_t* w1 = w0 + L * a.ldw;
   const int64_t ld = std::min(a.mp, MC), sw = a.ldw * 2, sx = ld * 4;
-  const uint32_t* xk = a.xp + (m0 / ld) * (a.K / 2) * ld + (k0 / 2) * ld + m0 % ld;
-  for (int64_t k = k0; k < k1; k += KT, xk += (KT / 2) * ld) {
+  const uint32_t* xk = a.xp + (m0 / ld) * (a.K / 2) * ld + m0 % ld;
+  for (int64_t k = 0; k < a.K; k += KT, xk += (KT / 2) * ld) {
     if (pf)
-      for (int r = 0; r < NT; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * a.ldw + k), PF_HINT);
+      for (int r = 0; r < NT; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * a.ldw + k), _MM_HINT_T1);
     _tile_loadd(4, w0 + k, sw);
     _tile_loadd(5, w1 + k, sw);
     _tile_loadd(6, xk, sx);
@@ -94,28 +85,21 @@ inline void task_rows(const Args& a, int64_t n0, int64_t m0, int64_t k0, int64_t
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, part, 64);
-  _tile_stored(1, part + L * L, 64);
-  if constexpr (TM == 2) { _tile_stored(2, part + 2 * L * L, 64); _tile_stored(3, part + 3 * L * L, 64); }
-  if (k1 < a.K) return;
-  for (int t = 0; t < 2 * TM; ++t) store_block(a, part + t * L * L, m0 + (t / 2) * L, n0 + (t % 2) * L);
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + L * L, 64);
+  if constexpr (TM == 2) { _tile_stored(2, c + 2 * L * L, 64); _tile_stored(3, c + 3 * L * L, 64); }
+  for (int t = 0; t < 2 * TM; ++t) store_block(a, c + t * L * L, m0 + (t / 2) * L, n0 + (t % 2) * L);
 }
 
-// K in spans of KB: a span's 32 weight rows (32 KiB) stay in L1 for every pair of row blocks,
-// where a whole row of K = 2048 (128 KiB) came from L2 for each (down_proj 512 x 2048 at 64
-// rows: 649 -> ... GFLOP/s). The first pass over the weights also fetches the next task's (the
-// last task has none). part: 4 tiles of partial sums per pair of row blocks.
-constexpr int64_t KB = 512;
-
-inline void task(const Args& a, int64_t n0, float* part, int64_t v0, int64_t v1) {
-  const uint16_t* next = n0 + 2 * NT <= a.N ? a.w + (n0 + NT) * a.ldw : nullptr;
-  for (int64_t k0 = 0; k0 < a.K; k0 += KB) {
-    const int64_t k1 = std::min(a.K, k0 + KB);
-    const uint16_t* pf = next;
-    int64_t v = v0;
-    for (; v + 2 <= v1; v += 2, pf = nullptr) task_rows<2>(a, n0, v * L, k0, k1, part + (v - v0) * 2 * L * L, pf);
-    if (v < v1) task_rows<1>(a, n0, v * L, k0, k1, part + (v - v0) * 2 * L * L, pf);
-  }
+// row blocks v0 .. v1 of one task, two at a time; with more than one pair the first pass also
+// fetches the next task's weights into L2 (LM head 248320 x 512 at 64 rows 20.1 -> 17.0 ms; at
+// 16 rows, one pass, the fetches slowed it 11.3 -> 12.6 ms: the hardware prefetcher keeps up)
+inline void task(const Args& a, int64_t n0, float* c, int64_t v0, int64_t v1) {
+  const bool fetch = v1 - v0 > 2 && n0 + 2 * NT <= a.N;
+  const uint16_t* pf = fetch ? a.w + (n0 + NT) * a.ldw : nullptr;
+  int64_t v = v0;
+  for (; v + 2 <= v1; v += 2, pf = nullptr) task_rows<2>(a, n0, v * L, c, pf);
+  if (v < v1) task_rows<1>(a, n0, v * L, c, pf);
 }
 
 // Rows in chunks of MC (prefill sizes): a K span of x for MC rows (128 KiB) stays in L2 while
@@ -128,8 +112,8 @@ inline void run(const Args& a) {
     const int64_t c1 = std::min(vecs, c0 + chunk);
     at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
       Tiles tiles;
-      alignas(64) float part[(MC / L + 1) * 2 * L * L];
-      for (int64_t t = t0; t < t1; ++t) task(a, t * NT, part, c0, c1);
+      alignas(64) float c[4 * L * L];
+      for (int64_t t = t0; t < t1; ++t) task(a, t * NT, c, c0, c1);
     });
   }
 }
