@@ -31,6 +31,12 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.output_sizes}"
 
 
+def bf16_linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """The (out, in) shapes of the model's bf16 Linear weights (the CPU GEMM warms oneDNN on them)."""
+    return {tuple(m.weight.shape) for m in model.modules()
+            if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16}
+
+
 class Int4Linear(nn.Module):
     """Weight-only int4 (group-quantized along K, symmetric) with fp32 accumulation: the draft
     head's layers. Buffers: qweight uint8 [out, in // 2] (two nibbles per byte), scales

@@ -212,6 +212,20 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
                     gemm.isa() if gemm else "torch", ops.isa() if ops else "torch")
 
 
+def warm_cpu_gemm(device: torch.device, shapes: set[tuple[int, int]], max_rows: int) -> None:
+    """Have oneDNN compile its bf16 matmul for these weight shapes (N, K) at the row counts the
+    CPU GEMM's native path gives it up to max_rows (ops/cpu/gemm.py: else a served prompt of a new
+    length pays 5-7 ms per shape). A no-op where that path does not run."""
+    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled() or not shapes:
+        return
+    mod = cpu_gemm.module()
+    if mod is None or not cpu_gemm.native_row_counts(max_rows, mod):
+        return
+    t0 = time.monotonic()
+    n = cpu_gemm.warm_native(shapes, max_rows, mod=mod)
+    logger.info("oneDNN bf16 matmuls compiled for %d (rows, shape) pairs in %.1f s", n, time.monotonic() - t0)
+
+
 def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):
     """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
     if not use_cpu_kernels(x, *weights):

@@ -25,6 +25,7 @@ from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.distributed.parallel_state import all_min, broadcast_object, tp_rank, tp_size
 from backboard.distributed.shard import local_model_config
 from backboard.forward_context import set_forward_context
+from backboard.layers.linear import bf16_linear_shapes
 from backboard.models.loader import load_model, torch_dtype
 from backboard.ops import dispatch
 from backboard.ops.token_bitmask import apply_token_bitmask
@@ -53,6 +54,7 @@ class ModelRunner:
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
         dispatch.prepare_cpu_kernels(self.device, self.dtype)   # build / load them now, not in a step
+        dispatch.warm_cpu_gemm(self.device, bf16_linear_shapes(self.model), sc.max_num_batched_tokens)
         self.block_size = cfg.cache.block_size
         # CUDA graphs are not captured under TP yet (the collectives would have to be captured too)
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0

@@ -181,6 +181,31 @@ def test_large_outputs_reuse_freed_blocks_without_page_faults(mod):
     _close_fp32(y2, 2 * ref)
 
 
+@pytest.mark.parametrize("M", (200, 256, 1000))
+def test_onednn_sees_only_padded_row_counts(mod, M, monkeypatch):
+    """Large bf16 x on a native level reaches oneDNN padded to whole row blocks (a new row count
+    would make it compile a kernel), with the same product as unpadded; warm_native compiles
+    exactly the row counts the native path can send, within its budget."""
+    if gemm.POLICY[mod.isa()][2] != "native":
+        assert gemm.native_row_counts(2048, mod) == []
+        return
+    seen, linear = [], F.linear
+    monkeypatch.setattr(gemm.F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or linear(x, w, b))
+    w, b = torch.randn(96, 80).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(M, 80).bfloat16()
+    y = gemm.linear_bf16(x, w, b, mod=mod)
+    assert y.shape == (M, 96) and y.is_contiguous()
+    torch.testing.assert_close(y, linear(x, w, b), rtol=1e-2, atol=1e-2)
+    assert seen == [-(-M // gemm.NATIVE_ROW_BLOCK) * gemm.NATIVE_ROW_BLOCK]
+    counts = gemm.native_row_counts(1000, mod)
+    assert counts[0] > (gemm.AMX_ROWS_MAX if mod.amx() else gemm.POLICY[mod.isa()][0]) and counts[-1] == 1024
+    assert all(c % gemm.NATIVE_ROW_BLOCK == 0 for c in counts)
+    seen.clear()
+    assert gemm.warm_native({(96, 80), (32, 80)}, 1000, mod=mod) == 2 * len(counts)
+    assert sorted(set(seen)) == counts
+    assert gemm.warm_native({(96, 80)}, 1000, budget_s=-1, mod=mod) == 0
+
+
 def test_fp32_activations_are_not_rounded_to_bf16(mod):
     """Weights in bf16, activations in fp32: products use the full fp32 x (a kernel that rounded x
     to bf16, as VDPBF16PS would, loses the 2^-12 terms)."""

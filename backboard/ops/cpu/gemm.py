@@ -15,7 +15,8 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
   panel   larger M (prefill): weights widened a panel at a time into fp32 scratch and multiplied
           by torch's fp32 GEMM, so prefill runs at the fp32 matmul rate with no fp32 weight copy
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
-          (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate
+          (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate;
+          M padded to whole NATIVE_ROW_BLOCKs (oneDNN compiles a kernel per new M)
   amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
           (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
           reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
@@ -26,6 +27,8 @@ M = 128 and trail the panel path by ~10% at 256).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -71,10 +74,55 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x if x.dim() == 2 else _rows_2d(x)
     large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
     if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
-        y = F.linear(x, w, bias)
-        return y.float() if out_fp32 else y
-    y = mod.linear_bf16(x2, w, bias, out_fp32, large)
+        y = _native(x2, w, bias)
+        y = y.float() if out_fp32 else y
+    else:
+        y = mod.linear_bf16(x2, w, bias, out_fp32, large)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
+# oneDNN builds (JIT-compiles) a kernel for every new (M, N, K): 5-7 ms per weight shape, 30-60 ms
+# of a 1000-token prefill of the benchmark checkpoint (+30-60%), paid by nearly every served prompt
+# since their lengths differ. The native path pads M to a multiple of this, so oneDNN only ever
+# sees a few row counts (warm_native compiles them at start-up). Padding 1000 rows to 1024 cost
+# ~2 ms of ~105; splitting off the M % 128 rest to the AMX kernel cost 4-8 ms (2 SPR cores).
+NATIVE_ROW_BLOCK = 64
+
+
+def _native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's bf16 matmul (oneDNN) on x padded with zero rows to a multiple of NATIVE_ROW_BLOCK.
+    x [M, K] bf16 -> [M, N] bf16 (a view of the padded product's first M rows)."""
+    M, K = x.shape
+    pad = -M % NATIVE_ROW_BLOCK
+    if pad == 0:
+        return F.linear(x, w, bias)
+    xp = torch.cat([x, x.new_zeros(pad, K)])
+    return F.linear(xp, w, bias)[:M]
+
+
+def native_row_counts(max_rows: int, mod=None) -> list[int]:
+    """The padded row counts the native path can give oneDNN for up to max_rows rows (empty where
+    this CPU has no native path)."""
+    mod = mod or module()
+    if mod is None or POLICY[mod.isa()][2] != "native":
+        return []
+    first = AMX_ROWS_MAX if mod.amx() else POLICY[mod.isa()][0]
+    top = -(-max_rows // NATIVE_ROW_BLOCK) * NATIVE_ROW_BLOCK
+    return list(range(first + NATIVE_ROW_BLOCK - first % NATIVE_ROW_BLOCK, top + 1, NATIVE_ROW_BLOCK))
+
+
+def warm_native(shapes: set[tuple[int, int]], max_rows: int, budget_s: float = 5.0, mod=None) -> int:
+    """Have oneDNN compile its kernel for each bf16 weight shape (N, K) at each padded row count,
+    fewest rows first, until budget_s has passed (a large model's matmuls are too slow to try
+    them all; there the compile time is small beside a prefill). Returns the kernels warmed."""
+    t0, n = time.monotonic(), 0
+    for M in native_row_counts(max_rows, mod):
+        for N, K in sorted(shapes):
+            if time.monotonic() - t0 > budget_s:
+                return n
+            F.linear(torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(N, K, dtype=torch.bfloat16))
+            n += 1
+    return n
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
