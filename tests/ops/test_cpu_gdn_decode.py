@@ -27,6 +27,8 @@ CASES = {
     # a prompt: many rows, state columns in several blocks with a tail (kColBlock = 4 vectors)
     "prefill-column-blocks": (2, 29, 1, 2, 24, 136, 4, "other", "mixed"),
     "prefill-blocks-per-position": (1, 11, 1, 1, 16, 72, 4, "per-position-alias", "all"),
+    # an odd key dim: the second FMA chain's tail row; each row's k^T S from the previous row's pass
+    "prefill-odd-dk": (2, 9, 1, 2, 13, 40, 4, "other", "mixed"),
 }
 
 

@@ -317,6 +317,30 @@ def test_engines_build_the_kernels_before_their_first_request(monkeypatch):
     assert built == ["gemm", "decode_ops"]
 
 
+def test_the_runner_has_onednn_compile_the_models_shapes(monkeypatch):
+    """warm_cpu_gemm passes the bf16 Linear shapes to warm_native where the native path runs, and
+    nothing for other devices, with the kernels off, or without bf16 weights."""
+    from torch import nn
+
+    from backboard.layers.linear import Linear, bf16_linear_shapes
+    model = nn.Sequential(Linear(64, [32, 32], torch.bfloat16), Linear(64, 48, torch.bfloat16),
+                          Linear(64, 48, torch.bfloat16), Linear(16, 8, torch.float32), nn.Linear(4, 4))
+    shapes = bf16_linear_shapes(model)
+    assert shapes == {(64, 64), (48, 64)}
+    calls = []
+    monkeypatch.setattr(gemm, "warm_native", lambda s, m, mod=None: calls.append((s, m)) or 0)
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    dispatch.warm_cpu_gemm(cpu, shapes, 512)
+    dispatch.warm_cpu_gemm(torch.device("cuda"), shapes, 512)
+    dispatch.warm_cpu_gemm(cpu, set(), 512)
+    with dispatch.override("torch"):
+        dispatch.warm_cpu_gemm(cpu, shapes, 512)
+    native = bool(gemm.native_row_counts(512))
+    assert calls == ([(shapes, 512)] if native else [])
+
+
 def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
     monkeypatch.setenv("BACKBOARD_CPU_KERNELS", "0")
     w, x = torch.randn(24, 64).bfloat16(), torch.randn(5, 64).bfloat16()
