@@ -55,10 +55,15 @@ def module(isa: str | None = None):
 AMX_ROWS_MAX = 128
 
 
-def _panel(mod, M: int, quantized: bool, x_bf16: bool = False) -> bool:
+def _rows_max(mod, quantized: bool, x_bf16: bool = False) -> int:
+    """The most rows the rows / lanes / AMX kernels take; more go to the panel or native path."""
     if x_bf16 and not quantized and mod.amx():
-        return M > AMX_ROWS_MAX
-    return M > POLICY[mod.isa()][int(quantized)]
+        return AMX_ROWS_MAX
+    return POLICY[mod.isa()][int(quantized)]
+
+
+def _panel(mod, M: int, quantized: bool, x_bf16: bool = False) -> bool:
+    return M > _rows_max(mod, quantized, x_bf16)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -106,9 +111,9 @@ def native_row_counts(max_rows: int, mod=None) -> list[int]:
     mod = mod or module()
     if mod is None or POLICY[mod.isa()][2] != "native":
         return []
-    first = AMX_ROWS_MAX if mod.amx() else POLICY[mod.isa()][0]
-    top = -(-max_rows // NATIVE_ROW_BLOCK) * NATIVE_ROW_BLOCK
-    return list(range(first + NATIVE_ROW_BLOCK - first % NATIVE_ROW_BLOCK, top + 1, NATIVE_ROW_BLOCK))
+    B = NATIVE_ROW_BLOCK
+    first = (_rows_max(mod, False, True) // B + 1) * B     # the smallest padded M above the rows path
+    return list(range(first, -(-max_rows // B) * B + 1, B))
 
 
 def warm_native(shapes: set[tuple[int, int]], max_rows: int, budget_s: float = 5.0, mod=None) -> int:
@@ -116,11 +121,12 @@ def warm_native(shapes: set[tuple[int, int]], max_rows: int, budget_s: float = 5
     fewest rows first, until budget_s has passed (a large model's matmuls are too slow to try
     them all; there the compile time is small beside a prefill). Returns the kernels warmed."""
     t0, n = time.monotonic(), 0
+    weights = {s: torch.zeros(s, dtype=torch.bfloat16) for s in sorted(shapes)}
     for M in native_row_counts(max_rows, mod):
-        for N, K in sorted(shapes):
+        for (_, K), w in weights.items():
             if time.monotonic() - t0 > budget_s:
                 return n
-            F.linear(torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(N, K, dtype=torch.bfloat16))
+            F.linear(torch.zeros(M, K, dtype=torch.bfloat16), w)
             n += 1
     return n
 
