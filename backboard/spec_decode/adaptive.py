@@ -15,7 +15,14 @@ its prefill: fitted per request, those made a one-request catch-up look like 26 
 sees both row counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0
 when on), less and less often (up to 8x) while off stays the answer.
 Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
-acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3)."""
+acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3).
+
+The model can be wrong where its parts miss a cost (the scheduler's and the output's work per
+draft, a step time that is not linear in rows), so it is also held to what whole steps deliver:
+the tokens per second of the engine's steady decode steps (from one step's start to the next's,
+everything included), per batch-size class, with drafts and without. Where both are measured and
+with drafts it delivered less, speculation stays off for that class whatever the model says
+(the probes keep measuring it)."""
 
 from __future__ import annotations
 
@@ -48,6 +55,28 @@ class _LinearFit:
         return max(a + b * x, 1e-6)
 
 
+class _Realized:
+    """Tokens and seconds of whole steps, exponentially weighted, by key (batch class, drafted)."""
+
+    def __init__(self, decay: float = 0.9, min_steps: int = 3) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self.sums: dict[tuple[int, bool], np.ndarray] = {}    # key -> [tokens, seconds, steps]
+
+    def add(self, key: tuple[int, bool], tokens: int, seconds: float) -> None:
+        s = self.sums.get(key, np.zeros(3))
+        self.sums[key] = s * np.array([self.decay, self.decay, 1.0]) + np.array([tokens, seconds, 1.0])
+
+    def rate(self, key: tuple[int, bool]) -> float | None:
+        """Tokens per second, None until min_steps steps were seen."""
+        s = self.sums.get(key)
+        return None if s is None or s[2] < self.min_steps else s[0] / max(s[1], 1e-9)
+
+
+def batch_class(n: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ...: steps compared with each other have similar costs."""
+    return int(n).bit_length()
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.3, explore_steps: int = 10,
                  probe_every: int = 16, margin: float = 1.05) -> None:
@@ -59,6 +88,7 @@ class AdaptiveK:
         self.verify = _LinearFit(decay=0.98)
         self.catchup = _LinearFit()
         self.draft = _LinearFit()
+        self.realized = _Realized()
         self.steps = 0
         self._probe_gap = probe_every
         self._next_probe = explore_steps + probe_every
@@ -78,6 +108,16 @@ class AdaptiveK:
     def observe_draft(self, n: int, catchup_rows: int, catchup_s: float, draft_s_per_k: float) -> None:
         self.catchup.add(catchup_rows, catchup_s)
         self.draft.add(n, draft_s_per_k)
+
+    def observe_step(self, n: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole steady decode step: n requests, whether they verified drafts, the tokens it
+        emitted and the seconds from the previous step's start to this one's."""
+        self.realized.add((batch_class(n), drafted), tokens, seconds)
+
+    def realized_loses(self, n: int) -> bool:
+        """Steps with drafts delivered fewer tokens per second than steps without, at this size."""
+        on, off = (self.realized.rate((batch_class(n), d)) for d in (True, False))
+        return on is not None and off is not None and on < off
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         d = 0.995
@@ -102,7 +142,7 @@ class AdaptiveK:
         if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
             return 1 if self.steps % 2 else 0        # k = 1: the cheapest way to see both row counts
         best = max(range(1, self.k_max + 1), key=lambda k: self.rate(n, k))
-        if self.rate(n, best) < self.margin * self.rate(n, 0):
+        if self.rate(n, best) < self.margin * self.rate(n, 0) or self.realized_loses(n):
             best = 0                                 # speculation must clearly pay: off is never slower
         if self.steps >= self._next_probe:
             # probes of a losing speculation cost: back off while off stays the answer

@@ -44,6 +44,8 @@ class Proposer:
         self.adaptive = AdaptiveK(self.k_max, enabled=cfg.spec.adaptive)
         self.ctx: ProposerContext | None = None
         self.last_k = self.k_max
+        self.k_steps = np.zeros(self.k_max + 1, dtype=np.int64)    # steps that chose each k (statistics)
+        self._last_step: tuple[float, int] | None = None           # (start of propose, requests)
 
     def bind(self, ctx: ProposerContext) -> None:
         """Called once by the runner, after its caches exist."""
@@ -68,10 +70,12 @@ class Proposer:
         B = len(plan.rows)
         out: list[list[int]] = [[] for _ in range(B)]
         who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
+        self._observe_step(plan, result, len(who))
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
         if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's k (timed) on all
             k = broadcast_object(k)
         self.last_k = k
+        self.k_steps[k] += 1
         if k == 0:
             return out                      # speculation off this step: no proposer work at all
         t0 = time.perf_counter()
@@ -95,6 +99,17 @@ class Proposer:
         ctx_room = self.cfg.scheduler.max_model_len - n - 1
         out_room = self.ctx.max_tokens[rows] - (n - b.num_prompt[rows]) - 1
         return np.minimum(np.minimum(ctx_room, out_room), self.k_max).astype(np.int64)
+
+    def _observe_step(self, plan: StepPlan, result: SampleResult, n: int) -> None:
+        """The whole step that just ended, from the previous propose to this one (its drafting,
+        the scheduler, the forward, sampling, the output): counted when it was a steady decode step,
+        the same requests as the one before and no prompt rows (those cost differently, and
+        after an idle engine the gap is not a step's cost)."""
+        now, last = time.perf_counter(), self._last_step
+        self._last_step = (now, n)
+        steady = last is not None and last[1] == n == len(plan.rows) and not np.any(~plan.is_spec & (plan.q_lens > 1))
+        if steady and n:
+            self.adaptive.observe_step(n, plan.has_spec, sum(len(t) for t in result.token_ids), now - last[0])
 
     def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float) -> None:
         lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
