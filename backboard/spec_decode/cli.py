@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight of EAGLE's feature regression beside the token loss")
     t.add_argument("--loss-vocab-top", type=int, default=8, metavar="K",
                    help="normalise the loss over the text's tokens and the teacher's top K only (faster)")
+    t.add_argument("--teacher-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the target's pass that writes the distillation targets (bfloat16: the "
+                        "serving numerics, several times faster on CPUs with native bf16)")
     t.add_argument("--init", choices=["mtp", "random"], default="mtp",
                    help="start from the checkpoint's MTP head when it has one")
     t.add_argument("--seed", type=int, default=0)
@@ -63,7 +66,8 @@ def run_train(args: argparse.Namespace) -> int:
         train_draft_head(args.model, data, args.out, held_text=held, minutes=args.minutes, steps=args.steps,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                          group_size=args.group_size, init=args.init, seed=args.seed, chain_frac=args.chain_frac,
-                         loss_vocab_top=args.loss_vocab_top, feat_weight=args.feat_weight)
+                         loss_vocab_top=args.loss_vocab_top, feat_weight=args.feat_weight,
+                         teacher_dtype=args.teacher_dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,15 @@ FORMS = ["Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "
          "Give me three questions a student might ask about {}, with answers.",
          "Summarize the history of {} in a few sentences.", "Why is {} important?",
          "Write a short story that involves {}.", "Compare {} with something similar and explain the differences.",
-         "What should a beginner know about {}?", "Describe {} in simple terms, step by step."]
+         "What should a beginner know about {}?", "Describe {} in simple terms, step by step.",
+         # second set (2026-12-03): twice the text for the same topics, in other registers
+         "Tell me something surprising about {}.", "Write a limerick about {}.",
+         "What are the pros and cons of {}?", "Explain {} as if I were a university student.",
+         "Write a short dialogue between two friends talking about {}.",
+         "How has {} changed over the last hundred years?", "Give me a quiz with four questions about {}.",
+         "What is the future of {}?", "Write an encyclopedia-style introduction to {}.",
+         "Describe a day in the life of someone who works with {}.",
+         "What are three key terms related to {}, and what do they mean?", "Write a tweet about {}."]
 # the first 28 are benchmarks/spec_decode.py's training topics; its held-out topics come last
 TRAIN_TOPICS = [
     "the ocean", "volcanoes", "the French Revolution", "photosynthesis", "black holes", "jazz",
