@@ -7,7 +7,9 @@ speculation (greedy outputs checked identical to it).
      spec_decode/corpus.py; the corpus is cached under ~/.cache/backboard/draft-corpus);
   2. mean acceptance length at k = 1, 2, 3, 4, draft head and n-gram, greedy and T = 0.7, on
      held-out prompts (topics never seen in training; fixed k);
-  3. output tokens/s at concurrency 1, 4, 16: no speculation, draft head and n-gram (adaptive k).
+  3. output tokens/s at concurrency 1, 4, 16: draft head and n-gram (adaptive k), each against no
+     speculation in alternating runs (the ratio of each pair and their median), with the share of
+     steps that chose each k.
 
 no --model (synthetic): the tiny hybrid with transformers' default weight scale (its next token
 depends mostly on the current one, a structure a draft head can learn), random prompts; output
@@ -32,7 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from backboard import LLM, SamplingParams  # noqa: E402
 from backboard.spec_decode.corpus import FORMS, HELD_OUT_TOPICS, chat_prompt_ids, chat_training_corpus  # noqa: E402
 
-HELD_OUT_FORMS = FORMS[:6]   # held-out prompt i: form i % 6 of HELD_OUT_TOPICS[i] (as in earlier results)
+HELD_OUT_FORMS = FORMS[:6]   # held-out prompts: these forms of HELD_OUT_TOPICS (never trained on)
+
+
+def held_out_asks(n: int) -> list[str]:
+    """n held-out prompts: prompt i is form i % 6 of topic i % 8, then the other pairs in order
+    (n = 8 is the set of the results before 2026-12-03; n = 48 every pair)."""
+    pairs = [(i % len(HELD_OUT_FORMS), i % len(HELD_OUT_TOPICS)) for i in range(len(HELD_OUT_TOPICS))]
+    pairs += [(f, t) for t in range(len(HELD_OUT_TOPICS)) for f in range(len(HELD_OUT_FORMS))
+              if (f, t) not in pairs]
+    return [HELD_OUT_FORMS[f].format(HELD_OUT_TOPICS[t]) for f, t in pairs[:n]]
 
 
 def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> dict:
@@ -46,9 +57,33 @@ def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> di
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if len(o.outputs[0].token_ids) > 1]
+    proposer = llm.engine.runner.proposer
     return dict(tok_s=n / wall, tpot_ms=1e3 * float(np.mean(tpot)),
                 accept=llm.stats().get("spec_mean_acceptance_length"),
-                k=getattr(llm.engine.runner.proposer, "last_k", 0), tokens=[list(o.outputs[0].token_ids) for o in outs])
+                k=getattr(proposer, "last_k", 0), k_steps=getattr(proposer, "k_steps", None),
+                tokens=[list(o.outputs[0].token_ids) for o in outs])
+
+
+def k_share(k_steps) -> str:
+    """Share of the steps that chose each k, e.g. "k0 62% k1 20% k2 8% k3 10%"."""
+    if k_steps is None or not k_steps.sum():
+        return "-"
+    return " ".join(f"k{k} {100 * c / k_steps.sum():.0f}%" for k, c in enumerate(k_steps))
+
+
+def speed_rows(model: str, specs: list[tuple[str, dict]], reqs, sp, C: int, repeats: int) -> None:
+    """Each configuration against no speculation, alternating (none, spec, none, spec, ...) so that
+    the machine's drift hits both alike; prints every repeat's ratio and their median."""
+    for name, spec in specs:
+        ratios, last = [], None
+        for _ in range(repeats):
+            base = measure(model, None, reqs, sp, C)
+            last = measure(model, spec, reqs, sp, C)
+            ratios.append(last["tok_s"] / base["tok_s"])
+        print(f"  C={C:<3} {name:<24} {last['tok_s']:7.1f} tok/s vs {base['tok_s']:7.1f}  ratios "
+              + " ".join(f"{r:.2f}" for r in ratios) + f"  median {float(np.median(ratios)):.2f}x  "
+              f"accept {last['accept'] or 0:.2f}  {k_share(last['k_steps'])}  "
+              f"same tokens: {last['tokens'] == base['tokens']}", flush=True)
 
 
 # ---- real text ------------------------------------------------------------------------------
@@ -72,8 +107,7 @@ def real_text(args) -> None:
     draft = args.draft or os.path.join(tempfile.gettempdir(), "backboard-smollm2-draft")
     if not os.path.isfile(os.path.join(draft, "config.json")):
         train_real_draft(model, draft, args.train_minutes, args.chat_prompts)
-    asks = [HELD_OUT_FORMS[i % len(HELD_OUT_FORMS)].format(t) for i, t in enumerate(HELD_OUT_TOPICS)]
-    held = chat_prompt_ids(Tokenizer(model).hf, asks)
+    held = chat_prompt_ids(Tokenizer(model).hf, held_out_asks(args.held_out))
     reqs = [{"prompt_token_ids": p} for p in held]
     print(f"target {model}; draft {draft}\nheld-out prompts: {len(held)} (chat template), {args.output_len} "
           f"output tokens")
@@ -90,17 +124,14 @@ def real_text(args) -> None:
             print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row)),
                   flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    print("decode speed (greedy), floor = no speculation:")
+    print(f"decode speed (greedy), floor = no speculation; max(4 C, 16) requests of the held-out prompts per "
+          f"run, {args.repeats} alternating runs each:")
+    specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
+                                                  "num_speculative_tokens": args.k}),
+             (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})]
     for C in map(int, args.concurrency.split(",")):
-        cr = (reqs * (1 + (2 * C) // len(reqs)))[:max(2 * C, len(reqs))]
-        base = measure(model, None, cr, sp, C)
-        for name, spec in ((f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
-                                                                 "num_speculative_tokens": args.k}),
-                           (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})):
-            r = measure(model, spec, cr, sp, C)
-            print(f"  C={C:<3} {name:<24} {r['tok_s']:7.1f} tok/s vs {base['tok_s']:7.1f}: "
-                  f"{r['tok_s'] / base['tok_s']:.2f}x  accept {r['accept'] or 0:.2f}  last k {r['k']}  "
-                  f"same tokens: {r['tokens'] == base['tokens']}", flush=True)
+        n = max(4 * C, 16)
+        speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], sp, C, args.repeats)
 
 
 # ---- synthetic ------------------------------------------------------------------------------
@@ -157,6 +188,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--held-out", type=int, default=48, help="real text: held-out prompts (at most 48; 8 before "
+                    "2026-12-03)")
+    ap.add_argument("--repeats", type=int, default=3, help="real text: alternating runs per speed row")
     args = ap.parse_args()
     args.concurrency = args.concurrency or ("1,4,16" if args.model else "1,4,16,64")
     (real_text if args.model else synthetic)(args)
