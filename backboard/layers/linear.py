@@ -59,6 +59,15 @@ class Int4Linear(nn.Module):
         m.qweight, m.scales = quantize_int4(lin.weight.detach(), group_size)
         return m
 
+    def widened(self, dtype: torch.dtype) -> Linear:
+        """The same layer as a Linear with the dequantized weight in dtype (the int4 values times
+        their scales, rounded once to dtype)."""
+        from backboard.ops.quant import dequantize_int4
+
+        lin = Linear(self.in_features, self.output_sizes, dtype)
+        lin.weight.data = dequantize_int4(self.qweight, self.scales, self.group_size, dtype)
+        return lin
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = dispatch.int4_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.group_size)

@@ -226,6 +226,20 @@ def warm_cpu_gemm(device: torch.device, shapes: set[tuple[int, int]], max_rows: 
     logger.info("oneDNN bf16 matmuls compiled for %d (rows, shape) pairs in %.1f s", n, time.monotonic() - t0)
 
 
+def int8_lm_head_rows_max(device: torch.device) -> int | None:
+    """Rows up to which a draft head's INT8 LM head beats the target's bf16 one on this device
+    (None: at every row count, e.g. on GPUs, where decode reads weights and int8 reads half)."""
+    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled():
+        return None
+    return cpu_gemm.int8_lm_head_rows_max()
+
+
+def int4_widened_pays(device: torch.device) -> bool:
+    """Whether a draft head's int4 layers should run widened to bf16 on this device (CPUs where
+    bf16 is native and unpacking costs more than the bytes it saves; never on GPUs)."""
+    return device.type == "cpu" and kernel_mode() == "auto" and kernels_enabled() and cpu_gemm.int4_widened_pays()
+
+
 def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):
     """The CPU GEMM module (ops/cpu/gemm.py) when it should run for these tensors, else None."""
     if not use_cpu_kernels(x, *weights):

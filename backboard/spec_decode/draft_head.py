@@ -31,6 +31,7 @@ from backboard.distributed.parallel_state import all_gather_last, replicated, tp
 from backboard.distributed.shard import VocabShard, pad_rows
 from backboard.layers.linear import Int4Linear, Int8Linear, Linear
 from backboard.models.mtp import MTPHead
+from backboard.ops import dispatch
 
 FORMAT = "backboard-draft-head"
 
@@ -104,8 +105,12 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
                     int8_lm_head: bool = True):
     """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
     one quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
-    target's own compute_logits without int8_lm_head. -> (head, lm_head callable hidden [R, H] ->
-    fp32 logits [R, V]).
+    target's own compute_logits without int8_lm_head. With it, a bf16 target's compute_logits
+    still takes the rows above dispatch.int8_lm_head_rows_max (CPUs where bf16 is the faster LM
+    head there). For a bf16 target on CPUs where dispatch.int4_widened_pays, the int4 layers are
+    widened to bf16 once here (each int4 value times its scale, rounded to bf16; drafts only, so
+    speculation stays lossless).
+    -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V]).
 
     Under TP the head is whole on every rank (built in parallel_state.replicated(); it is small,
     and every rank has the whole hidden state after the row-parallel all-reduce), so its attention
@@ -128,9 +133,22 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
         raise ConfigError(f"draft head {path} does not match its config: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
     head.eval()
-    if int8_lm_head:
-        return head, _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)
-    return head, compute_logits
+    if dtype == torch.bfloat16 and dispatch.int4_widened_pays(torch.device(device)):
+        for name, lin in _linears(head):
+            if isinstance(lin, Int4Linear):
+                _set(head, name, lin.widened(dtype))
+    if not int8_lm_head:
+        return head, compute_logits
+    int8 = _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)
+    rows_max = dispatch.int8_lm_head_rows_max(torch.device(device)) if dtype == torch.bfloat16 else None
+    return head, int8 if rows_max is None else _by_rows(int8, compute_logits, rows_max)
+
+
+def _by_rows(small: Callable[[torch.Tensor], torch.Tensor], large: Callable[[torch.Tensor], torch.Tensor],
+             rows_max: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """small for up to rows_max rows, large above (the INT8 LM head, then the target's bf16 one
+    where that is faster: ops/cpu/gemm.INT8_LM_HEAD_ROWS_MAX). hidden [R, H] -> fp32 logits [R, V]."""
+    return lambda h: small(h) if h.shape[0] <= rows_max else large(h)
 
 
 def _int8_lm_head(lm_sd: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, vocab_size: int,

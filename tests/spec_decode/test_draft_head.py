@@ -63,3 +63,61 @@ def test_quantize_cli_and_bad_folder(hybrid_model, tmp_path):
     assert llm.generate(["hi"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
     with pytest.raises(ConfigError, match="no config.json"):
         LLM(hybrid_model, max_model_len=128, speculative_config={"method": "draft_head", "draft_model": str(tmp_path)})
+
+
+def test_draft_lm_head_by_rows(trained_draft_head, soft_model, monkeypatch):
+    """Above dispatch.int8_lm_head_rows_max rows a bf16 target's own LM head drafts (on AMX the
+    INT8 one widened to fp32 ran 3x slower at 16 rows); at or below it, and for fp32 targets at
+    every row count, the INT8 head does."""
+    import torch
+
+    from backboard.config import ModelConfig
+    from backboard.ops import dispatch
+    from backboard.spec_decode.draft_head import load_draft_head
+
+    mc = ModelConfig.from_pretrained(soft_model, dtype="bfloat16")
+    V, H = mc.vocab_size, mc.hidden_size
+    w = torch.randn(V, H).bfloat16()
+    calls = []
+
+    def target(h):
+        calls.append(h.shape[0])
+        return torch.zeros(h.shape[0], V)
+
+    monkeypatch.setattr(dispatch, "int8_lm_head_rows_max", lambda device: 2)
+    _, lm = load_draft_head(trained_draft_head[0], mc, torch.bfloat16, w, target, 0, "cpu")
+    h = torch.randn(3, H).bfloat16()
+    assert lm(h).abs().sum() == 0 and calls == [3]
+    small = lm(h[:2])
+    assert small.shape == (2, V) and small.dtype == torch.float32 and small.abs().sum() > 0 and calls == [3]
+    _, lm32 = load_draft_head(trained_draft_head[0], mc, torch.float32, w.float(), target, 0, "cpu")
+    assert lm32(h.float()).abs().sum() > 0 and calls == [3]
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_int4_layers_widened_where_bf16_pays(trained_draft_head, soft_model, monkeypatch, widen):
+    """Where dispatch.int4_widened_pays (AMX: bf16 ran the head's layers 1.1-10x faster than
+    unpacking int4), a bf16 target's head holds each layer as the bf16 rounding of its int4
+    weights; elsewhere it keeps the int4 layers. Both give the same drafts' inputs up to bf16."""
+    import torch
+
+    from backboard.config import ModelConfig
+    from backboard.layers.linear import Int4Linear, Linear
+    from backboard.ops import dispatch
+    from backboard.ops.quant import dequantize_int4
+    from backboard.spec_decode.draft_head import load_draft_head
+
+    mc = ModelConfig.from_pretrained(soft_model, dtype="bfloat16")
+    w = torch.randn(mc.vocab_size, mc.hidden_size).bfloat16()
+    monkeypatch.setattr(dispatch, "int4_widened_pays", lambda device: False)
+    int4_head, _ = load_draft_head(trained_draft_head[0], mc, torch.bfloat16, w, None, 0, "cpu")
+    monkeypatch.setattr(dispatch, "int4_widened_pays", lambda device: widen)
+    head, _ = load_draft_head(trained_draft_head[0], mc, torch.bfloat16, w, None, 0, "cpu")
+    pairs = [(n, m, int4_head.get_submodule(n)) for n, m in head.named_modules() if isinstance(m, (Linear, Int4Linear))]
+    assert pairs and all(isinstance(m, Linear if widen else Int4Linear) for _, m, _ in pairs)
+    for _, m, q in pairs:
+        if widen:
+            assert m.weight.dtype == torch.bfloat16
+            assert torch.equal(m.weight, dequantize_int4(q.qweight, q.scales, q.group_size, torch.bfloat16))
+        x = torch.randn(5, m.in_features).bfloat16()
+        torch.testing.assert_close(m(x).float(), q(x).float(), rtol=3e-2, atol=3e-2)

@@ -50,6 +50,35 @@ def module(isa: str | None = None):
     return load_kernels(FAMILY, SOURCES, isa or cpu_isa())
 
 
+# The draft head's INT8 LM head against the target's bf16 one: int8 halves the bytes, but widening
+# int8 to fp32 is arithmetic that bf16 weights skip on CPUs that multiply bf16 natively. On AMX
+# the bf16 LM head wins from 5 rows on (SmolLM2's 49152 x 576 on 2 Sapphire Rapids cores, ms int8
+# vs bf16: 4 rows 1.16 vs 1.31, 8 rows 2.2 vs 1.3, 16 rows 4.4 vs 1.5, 64 rows 20 vs 2.7). Levels
+# not listed keep int8 at every row count (avx512_bf16: not measured yet).
+INT8_LM_HEAD_ROWS_MAX = {"amx_bf16": 4}
+
+
+def int8_lm_head_rows_max(mod=None) -> int | None:
+    """Rows up to which an INT8 LM head beats a bf16 one here (None: at every row count)."""
+    mod = mod or module()
+    if mod is None or (mod.isa() == "amx_bf16" and not mod.amx()):
+        return None
+    return INT8_LM_HEAD_ROWS_MAX.get(mod.isa())
+
+
+# The draft head's int4 layers widened to bf16 once at load (bf16 targets): unpacking nibbles is
+# arithmetic, and a draft head's weights are small (SmolLM2's: 8 MB in bf16) and come from cache.
+# On AMX bf16 won at every row count (the head's 5 linears, 2 Sapphire Rapids cores, ms int4 vs
+# bf16: 1 row 0.29 vs 0.21, 4 rows 0.34 vs 0.28, 16 rows 1.15 vs 0.29, 64 rows 6.2 vs 0.58).
+INT4_WIDENED_ISAS = ("amx_bf16",)
+
+
+def int4_widened_pays(mod=None) -> bool:
+    """Whether int4 weights run faster widened to bf16 here (INT4_WIDENED_ISAS, AMX usable)."""
+    mod = mod or module()
+    return mod is not None and mod.isa() in INT4_WIDENED_ISAS and (mod.isa() != "amx_bf16" or mod.amx())
+
+
 # bf16 x on AMX tiles up to this many rows (2 Sapphire Rapids cores, bf16 weights: 128 rows of a
 # 2048 x 512 layer 0.164 vs 0.201 ms in oneDNN, 192 rows 0.258 vs 0.255, 512 rows 0.62 vs 0.47)
 AMX_ROWS_MAX = 128
