@@ -25,6 +25,7 @@ import torch
 from backboard.config import EngineConfig
 from backboard.distributed.parallel_state import replicated
 from backboard.forward_context import set_forward_context
+from backboard.ops import dispatch
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
@@ -108,11 +109,11 @@ class MTPProposer(Proposer):
         pos = self._last_pos[who]
         rows = plan.rows[who]
         drafts = []
-        tok = self.lm_head(h).argmax(-1)                                  # draft 1
+        tok = dispatch.argmax(self.lm_head(h))                            # draft 1
         drafts.append(tok)
         for j in range(1, k):
             ones = np.ones(len(who), dtype=np.int64)
             h = self._forward(tok.cpu().numpy(), h, ones, pos + j, rows)
-            tok = self.lm_head(h).argmax(-1)
+            tok = dispatch.argmax(self.lm_head(h))
             drafts.append(tok)
         return torch.stack(drafts, dim=1).tolist()
