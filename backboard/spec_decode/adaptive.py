@@ -6,23 +6,25 @@ batch size, the measured acceptance and the measured step times.
     T(k)  = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n * E(k)) + k * t_draft(n))
     k*    = argmax_k  n * E(k) / T(k),  k in 0..k_max       (n = requests that get drafts)
 
-With k = 0 the proposer does no work at all (not even keeping its cache in step), so speculation
+With k = 0 the proposer runs no model (it only keeps the target's hidden states of the step, so
+that turning speculation back on catches its cache up instead of leaving holes), so speculation
 that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
 (steps with prefill chunks are left out: their rows cost differently); t_catchup is linear in the
 rows the head catches up on (a request's accepted drafts + 1 in steady state, a whole prompt after
 its prefill: fitted per request, those made a one-request catch-up look like 26 ms where it takes
 ~2); t_draft is linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit
-sees both row counts; later, every `probe_every` steps try the other side (k = 1 when off, k = 0
-when on), less and less often (up to 8x) while off stays the answer.
+sees both row counts; later, every `probe_every` steps try the other side (when off, a run of
+`probe_len` steps at the model's best k; when on, one step at k = 0), less and less often (up to
+8x) while off stays the answer.
 Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
 acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3).
 
 The model can be wrong where its parts miss a cost (the scheduler's and the output's work per
 draft, a step time that is not linear in rows), so it is also held to what whole steps deliver:
 the tokens per second of the engine's steady decode steps (from one step's start to the next's,
-everything included), per batch-size class, with drafts and without. Where both are measured and
-with drafts it delivered less, speculation stays off for that class whatever the model says
-(the probes keep measuring it)."""
+everything included), per batch-size class, with drafts and without. Where both are measured,
+they decide: off where steps with drafts delivered less, on where they delivered `margin` times
+more, whatever the model says (the probes keep measuring the other side)."""
 
 from __future__ import annotations
 
@@ -58,18 +60,27 @@ class _LinearFit:
 class _Realized:
     """Tokens and seconds of whole steps, exponentially weighted, by key (batch class, drafted)."""
 
-    def __init__(self, decay: float = 0.9, min_steps: int = 3) -> None:
-        self.decay, self.min_steps = decay, min_steps
-        self.sums: dict[tuple[int, bool], np.ndarray] = {}    # key -> [tokens, seconds, steps]
+    def __init__(self, decay: float = 0.9, min_steps: int = 3, cold: int = 2, max_age: int = 256) -> None:
+        self.decay, self.min_steps, self.cold, self.max_age = decay, min_steps, cold, max_age
+        self.sums: dict[tuple[int, bool], np.ndarray] = {}    # key -> [tokens, seconds, steps, last step]
+        self.seen: dict[tuple[int, bool], int] = {}
 
-    def add(self, key: tuple[int, bool], tokens: int, seconds: float) -> None:
-        s = self.sums.get(key, np.zeros(3))
-        self.sums[key] = s * np.array([self.decay, self.decay, 1.0]) + np.array([tokens, seconds, 1.0])
+    def add(self, key: tuple[int, bool], tokens: int, seconds: float, step: int) -> None:
+        """The first `cold` steps of a key warm caches and code paths: not counted."""
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] <= self.cold:
+            return
+        s = self.sums.get(key, np.zeros(4))
+        s = s * np.array([self.decay, self.decay, 1.0, 0.0]) + np.array([tokens, seconds, 1.0, step])
+        self.sums[key] = s
 
-    def rate(self, key: tuple[int, bool]) -> float | None:
-        """Tokens per second, None until min_steps steps were seen."""
+    def rate(self, key: tuple[int, bool], step: int) -> float | None:
+        """Tokens per second; None until min_steps steps were counted, or when the last is more
+        than max_age steps old (conditions change: the model and the probes decide again)."""
         s = self.sums.get(key)
-        return None if s is None or s[2] < self.min_steps else s[0] / max(s[1], 1e-9)
+        if s is None or s[2] < self.min_steps or step - s[3] > self.max_age:
+            return None
+        return s[0] / max(s[1], 1e-9)
 
 
 def batch_class(n: int) -> int:
@@ -79,7 +90,7 @@ def batch_class(n: int) -> int:
 
 class AdaptiveK:
     def __init__(self, k_max: int, enabled: bool = True, prior: float = 0.3, explore_steps: int = 10,
-                 probe_every: int = 16, margin: float = 1.05) -> None:
+                 probe_every: int = 16, margin: float = 1.05, probe_len: int = 4) -> None:
         self.k_max, self.enabled = k_max, enabled
         self.explore_steps, self.probe_every, self.margin = explore_steps, probe_every, margin
         self.drafted = np.full(k_max, 10.0)          # pseudo-counts for the prior
@@ -91,6 +102,7 @@ class AdaptiveK:
         self.realized = _Realized()
         self.steps = 0
         self._probe_gap = probe_every
+        self.probe_len, self._probe_left, self._probe_k = probe_len, 0, 1
         self._next_probe = explore_steps + probe_every
         self._seen: dict[str, int] = {}
 
@@ -106,18 +118,27 @@ class AdaptiveK:
             self.verify.add(rows, seconds)
 
     def observe_draft(self, n: int, catchup_rows: int, catchup_s: float, draft_s_per_k: float) -> None:
-        self.catchup.add(catchup_rows, catchup_s)
-        self.draft.add(n, draft_s_per_k)
+        # the first drafts run the head cold (SmolLM2, C1: 3.8 ms per draft in the fit, 1-1.5 warm),
+        # and the exploration steps that follow are too few to pull the fit back
+        self._seen["draft"] = self._seen.get("draft", 0) + 1
+        if self._seen["draft"] > 2:
+            self.catchup.add(catchup_rows, catchup_s)
+            self.draft.add(n, draft_s_per_k)
 
     def observe_step(self, n: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A whole steady decode step: n requests, whether they verified drafts, the tokens it
-        emitted and the seconds from the previous step's start to this one's."""
-        self.realized.add((batch_class(n), drafted), tokens, seconds)
+        emitted and the seconds from the previous step's start to this one's (the proposer leaves
+        out steps whose drafting caught up more than a steady step's rows: after an off stretch)."""
+        self.realized.add((batch_class(n), drafted), tokens, seconds, self.steps)
 
-    def realized_loses(self, n: int) -> bool:
-        """Steps with drafts delivered fewer tokens per second than steps without, at this size."""
-        on, off = (self.realized.rate((batch_class(n), d)) for d in (True, False))
-        return on is not None and off is not None and on < off
+    def realized_verdict(self, n: int) -> bool | None:
+        """What whole steps at this size say: False where steps with drafts delivered fewer tokens
+        per second than steps without, True where they delivered `margin` times more, None where
+        that is not measured or in between (the model decides)."""
+        on, off = (self.realized.rate((batch_class(n), d), self.steps) for d in (True, False))
+        if on is None or off is None:
+            return None
+        return False if on < off else True if on > self.margin * off else None
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         d = 0.995
@@ -141,12 +162,24 @@ class AdaptiveK:
             return self.k_max
         if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
             return 1 if self.steps % 2 else 0        # k = 1: the cheapest way to see both row counts
-        best = max(range(1, self.k_max + 1), key=lambda k: self.rate(n, k))
-        if self.rate(n, best) < self.margin * self.rate(n, 0) or self.realized_loses(n):
-            best = 0                                 # speculation must clearly pay: off is never slower
+        if self._probe_left > 0:                     # inside a probe run
+            self._probe_left -= 1
+            return self._probe_k
+        cand = max(range(1, self.k_max + 1), key=lambda k: self.rate(n, k))
+        on = self.realized_verdict(n)
+        if on is None:
+            on = self.rate(n, cand) >= self.margin * self.rate(n, 0)
+        best = cand if on else 0                     # speculation must clearly pay: off is never slower
         if self.steps >= self._next_probe:
             # probes of a losing speculation cost: back off while off stays the answer
             self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
             self._next_probe = self.steps + self._probe_gap
-            return 1 if best == 0 else 0
+            if best:
+                return 0
+            # where the model rates speculation close to paying, a run of steps at its best k: the
+            # first catches the head up on the off stretch, the rest are steady steps (whole-step
+            # rates, acceptance at every draft position); far from it, one step
+            close = self.rate(n, cand) >= 0.9 * self.rate(n, 0)
+            self._probe_k, self._probe_left = cand, (self.probe_len - 1) if close else 0
+            return cand
         return best

@@ -31,6 +31,42 @@ from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
 
+class PendingRows:
+    """The target's hidden states of positions the head has not caught up on, per request, while
+    speculation is off (k = 0: no head work). Each request's rows are one contiguous span of
+    positions [start, start + n); at most `cap` are kept (the oldest dropped: those positions
+    stay holes in the head's cache)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.spans: dict[str, tuple[int, list[torch.Tensor]]] = {}    # req_id -> (start, [rows [n_j, H]])
+
+    def add(self, rid: str, pos: int, rows: torch.Tensor) -> None:
+        """rows [n, H] at positions pos.. (a span that does not continue the kept one restarts it:
+        a recomputed request, or rows lost)."""
+        start, parts = self.spans.get(rid, (pos, []))
+        if start + sum(len(t) for t in parts) != pos:
+            start, parts = pos, []
+        parts.append(rows)
+        n = sum(len(t) for t in parts)
+        if n > self.cap:
+            joined = torch.cat(parts)[n - self.cap:]
+            start, parts = start + n - self.cap, [joined]
+        self.spans[rid] = (start, parts)
+
+    def take(self, rid: str, pos: int) -> torch.Tensor | None:
+        """The rows that end just before position pos ([n, H], removed), or None."""
+        start, parts = self.spans.pop(rid, (0, []))
+        n = sum(len(t) for t in parts)
+        return torch.cat(parts) if parts and start + n == pos else None
+
+    def keep_only(self, req_ids: list[str]) -> None:
+        """Forget requests that are not running (finished, aborted, preempted)."""
+        if any(r not in req_ids for r in self.spans):
+            keep = set(req_ids)
+            self.spans = {r: v for r, v in self.spans.items() if r in keep}
+
+
 class MTPProposer(Proposer):
     num_extra_attn_layers = 1
 
@@ -39,6 +75,7 @@ class MTPProposer(Proposer):
         self.head = None
         self.lm_head = None
         self.replicated = cfg.spec.method == "draft_head"
+        self.pending = PendingRows(cfg.scheduler.max_model_len)
         if self.replicated:                 # whole under TP: a cache of every KV head
             self.extra_attn_kv_heads = cfg.model.num_key_value_heads
 
@@ -74,33 +111,57 @@ class MTPProposer(Proposer):
             with replicated() if self.replicated else nullcontext():
                 return self.head(embeds, hidden.to(ctx.dtype), step.meta.positions)
 
+    def _known_rows(self, plan: StepPlan) -> np.ndarray:
+        """[B] rows of this step per request whose next token is known (the head's inputs)."""
+        n_after = self.ctx.batch.num_tokens[plan.rows]
+        return np.minimum(plan.q_lens, n_after - 1 - plan.num_computed)
+
+    def _rows_of(self, plan: StepPlan, hidden: torch.Tensor, i: int, v: int) -> torch.Tensor:
+        qsl = plan.inputs.query_start_loc
+        return hidden[int(qsl[i]):int(qsl[i]) + int(v)]
+
+    @torch.inference_mode()
+    def defer(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Speculation is off this step: keep the target's hidden states of the rows the head
+        would have caught up on (PendingRows), so that turning it back on fills the head's cache
+        instead of leaving holes that every later draft of the request attends over."""
+        v = self._known_rows(plan)
+        self.pending.keep_only(plan.req_ids)
+        kept = hidden.clone()               # one copy per step; each request keeps views of its rows
+        for i, rid in enumerate(plan.req_ids):
+            if v[i] > 0:
+                self.pending.add(rid, int(plan.num_computed[i]), self._rows_of(plan, kept, i, v[i]))
+
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:
         b = self.ctx.batch
-        n_after = b.num_tokens[plan.rows]
-        v = np.minimum(plan.q_lens, n_after - 1 - plan.num_computed)     # rows with a known next token
-        qsl = plan.inputs.query_start_loc
-        rows_idx = np.concatenate([np.arange(qsl[i], qsl[i] + v[i]) for i in range(len(v))])
+        cur = self._known_rows(plan)                    # this step's rows, then the deferred ones before them
+        self.pending.keep_only(plan.req_ids)
+        pend = [self.pending.take(rid, int(plan.num_computed[i])) if cur[i] > 0 else None
+                for i, rid in enumerate(plan.req_ids)]
+        start = np.array([nc - (0 if p is None else len(p)) for nc, p in zip(plan.num_computed, pend)], dtype=np.int64)
+        v = cur + plan.num_computed - start
         tok_rows = np.repeat(plan.rows, v)
-        pos = np.concatenate([np.arange(plan.num_computed[i], plan.num_computed[i] + v[i]) for i in range(len(v))])
+        pos = np.concatenate([np.arange(start[i], start[i] + v[i]) for i in range(len(v))])
         ids = b.token_ids[tok_rows, pos + 1]
         # batch order of the catch-up: requests keep the target's order (v may differ from q)
-        h = hidden[torch.from_numpy(rows_idx).to(hidden.device)]
+        h = torch.cat([t for i in range(len(v)) for t in ((pend[i],) if pend[i] is not None else ())
+                       + (self._rows_of(plan, hidden, i, cur[i]),)])
         order = np.argsort(v != 1, kind="stable")       # one-row requests first (uniform group)
         if not np.all(order == np.arange(len(v))):
             starts = np.concatenate([[0], np.cumsum(v)[:-1]])
             perm = np.concatenate([np.arange(starts[i], starts[i] + v[i]) for i in order])
             ids, h = ids[perm], h[torch.from_numpy(perm).to(h.device)]
-            v_o, nc_o, rows_o = v[order], plan.num_computed[order], plan.rows[order]
+            v_o, nc_o, rows_o = v[order], start[order], plan.rows[order]
         else:
-            v_o, nc_o, rows_o = v, plan.num_computed, plan.rows
+            v_o, nc_o, rows_o = v, start, plan.rows
         out = self._forward(ids, h, v_o, nc_o, rows_o)
         # the head's output at each request's last caught-up row (the source of draft 1)
         ends = np.cumsum(v_o) - 1
         last = out[torch.from_numpy(ends).to(out.device)]
         self._last_hidden = torch.empty_like(last)
         self._last_hidden[torch.from_numpy(order).to(out.device)] = last
-        self._last_pos = plan.num_computed + v - 1                      # [B] position of that row
+        self._last_pos = start + v - 1                                  # [B] position of that row
         return int(v.sum())
 
     @torch.inference_mode()

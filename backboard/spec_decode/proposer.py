@@ -46,6 +46,7 @@ class Proposer:
         self.last_k = self.k_max
         self.k_steps = np.zeros(self.k_max + 1, dtype=np.int64)    # steps that chose each k (statistics)
         self._last_step: tuple[float, int] | None = None           # (start of propose, requests)
+        self._caught_up = 0                                         # rows the last propose caught up
 
     def bind(self, ctx: ProposerContext) -> None:
         """Called once by the runner, after its caches exist."""
@@ -57,6 +58,10 @@ class Proposer:
         hidden [T, H]: the target's final hidden states of this step's flat batch. Returns the
         rows it ran (0 for a proposer without a model: n-gram)."""
         return 0
+
+    def defer(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Speculation is off this step (no catch-up): keep what a later catch-up needs (nothing
+        for a proposer without a model)."""
 
     def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         """Up to k drafts for each request index in `who` (batch order)."""
@@ -77,9 +82,10 @@ class Proposer:
         self.last_k = k
         self.k_steps[k] += 1
         if k == 0:
-            return out                      # speculation off this step: no proposer work at all
+            self.defer(plan, hidden)        # speculation off this step: no head work, its inputs kept
+            return out
         t0 = time.perf_counter()
-        caught_up = self.catch_up(plan, hidden)
+        caught_up = self._caught_up = self.catch_up(plan, hidden)
         t1 = time.perf_counter()
         room = self._room(plan, who)
         keep = who[room > 0]
@@ -108,6 +114,8 @@ class Proposer:
         now, last = time.perf_counter(), self._last_step
         self._last_step = (now, n)
         steady = last is not None and last[1] == n == len(plan.rows) and not np.any(~plan.is_spec & (plan.q_lens > 1))
+        steady = steady and self._caught_up <= n * (self.k_max + 1)   # not a catch-up over an off stretch
+        self._caught_up = 0
         if steady and n:
             self.adaptive.observe_step(n, plan.has_spec, sum(len(t) for t in result.token_ids), now - last[0])
 
