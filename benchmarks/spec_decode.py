@@ -129,6 +129,8 @@ def real_text(args) -> None:
     specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
                                                   "num_speculative_tokens": args.k}),
              (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})]
+    specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
+                                           "adaptive": False}) for k in args.fixed_k]
     for C in map(int, args.concurrency.split(",")):
         n = max(4 * C, 16)
         speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], sp, C, args.repeats)
@@ -191,6 +193,8 @@ def main() -> None:
     ap.add_argument("--held-out", type=int, default=48, help="real text: held-out prompts (at most 48; 8 before "
                     "2026-12-03)")
     ap.add_argument("--repeats", type=int, default=3, help="real text: alternating runs per speed row")
+    ap.add_argument("--fixed-k", type=lambda s: [int(k) for k in s.split(",") if k], default=[],
+                    help="real text: also speed rows of the draft head at these fixed k (e.g. 2,3)")
     args = ap.parse_args()
     args.concurrency = args.concurrency or ("1,4,16" if args.model else "1,4,16,64")
     (real_text if args.model else synthetic)(args)
