@@ -30,6 +30,10 @@ from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
+# Deferred rows kept per request: a bound on memory the KV planning does not count (64 requests x
+# 512 x hidden 5120 in bf16: 335 MB); positions further back than this stay holes.
+PENDING_ROWS_MAX = 512
+
 
 class PendingRows:
     """The target's hidden states of positions the head has not caught up on, per request, while
@@ -62,8 +66,8 @@ class PendingRows:
 
     def keep_only(self, req_ids: list[str]) -> None:
         """Forget requests that are not running (finished, aborted, preempted)."""
-        if any(r not in req_ids for r in self.spans):
-            keep = set(req_ids)
+        keep = set(req_ids)
+        if any(r not in keep for r in self.spans):
             self.spans = {r: v for r, v in self.spans.items() if r in keep}
 
 
@@ -75,7 +79,7 @@ class MTPProposer(Proposer):
         self.head = None
         self.lm_head = None
         self.replicated = cfg.spec.method == "draft_head"
-        self.pending = PendingRows(cfg.scheduler.max_model_len)
+        self.pending = PendingRows(min(cfg.scheduler.max_model_len, PENDING_ROWS_MAX))
         if self.replicated:                 # whole under TP: a cache of every KV head
             self.extra_attn_kv_heads = cfg.model.num_key_value_heads
 
@@ -145,8 +149,10 @@ class MTPProposer(Proposer):
         pos = np.concatenate([np.arange(start[i], start[i] + v[i]) for i in range(len(v))])
         ids = b.token_ids[tok_rows, pos + 1]
         # batch order of the catch-up: requests keep the target's order (v may differ from q)
-        h = torch.cat([t for i in range(len(v)) for t in ((pend[i],) if pend[i] is not None else ())
-                       + (self._rows_of(plan, hidden, i, cur[i]),)])
+        parts = []
+        for i in range(len(v)):
+            parts += ([pend[i]] if pend[i] is not None else []) + [self._rows_of(plan, hidden, i, cur[i])]
+        h = torch.cat(parts)
         order = np.argsort(v != 1, kind="stable")       # one-row requests first (uniform group)
         if not np.all(order == np.arange(len(v))):
             starts = np.concatenate([[0], np.cumsum(v)[:-1]])
