@@ -285,15 +285,19 @@ def _save(fig, out_dir: str, name: str) -> str:
     return path
 
 
-def load_scorecard(results_dir: str, ours: str = "backboard") -> dict:
+def load_scorecard(results_dir: str, ours: str | None = None) -> dict:
     """The scorecard of a results folder: built from its sweep results, or, where only the
-    written scorecard was kept (committed results), read from its scorecard.json."""
+    written scorecard was kept (committed results), read from its scorecard.json. ours: the
+    target scored (None: the written scorecard's, else "backboard")."""
     written = os.path.join(results_dir, "scorecard.json")
     points = load_results(results_dir)[0]
-    if not points and os.path.isfile(written):
+    sc = None
+    if os.path.isfile(written):
         with open(written) as f:
-            return json.load(f)
-    return build_scorecard(results_dir, ours)
+            sc = json.load(f)
+    if not points and sc is not None:
+        return sc
+    return build_scorecard(results_dir, ours or (sc or {}).get("ours") or "backboard")
 
 
 def write_scorecard(results_dir: str, ours: str = "backboard", out_dir: str | None = None,

@@ -143,8 +143,8 @@ def render_html(sc: dict, title: str | None = None, notes: str | None = None,
             + "\n".join(parts) + "</body></html>\n")
 
 
-def html_report(results_dir: str, ours: str = "backboard", plots: bool = True) -> str:
-    """The report of a results folder (its README.md, if any, as notes)."""
+def html_report(results_dir: str, ours: str | None = None, plots: bool = True) -> str:
+    """The report of a results folder (its README.md, if any, as notes); ours as load_scorecard."""
     sc = load_scorecard(results_dir, ours)
     readme = os.path.join(results_dir, "README.md")
     notes = None
