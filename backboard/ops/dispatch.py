@@ -197,13 +197,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def _cpu_kernels_on(device: torch.device) -> bool:
+    """Our CPU kernels may run on this device: a CPU, auto mode, not turned off."""
+    return device.type == "cpu" and kernel_mode() == "auto" and kernels_enabled()
+
+
 def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
     """Build (first use, minutes) or load (cached) the CPU kernel families the forward will use,
     at engine start-up rather than inside its first step; logs which path runs (a failed build
     has already said so once). A no-op off the CPU or with the kernels turned off."""
-    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled():
-        return
-    if dtype not in cpu_ops.DTYPES:
+    if not _cpu_kernels_on(device) or dtype not in cpu_ops.DTYPES:
         return
     t0 = time.monotonic()
     gemm, ops = cpu_gemm.module(), cpu_ops.kernels()    # GEMM: bf16 weights, int8/int4 draft heads
@@ -216,7 +219,7 @@ def warm_cpu_gemm(device: torch.device, shapes: set[tuple[int, int]], max_rows: 
     """Have oneDNN compile its bf16 matmul for these weight shapes (N, K) at the row counts the
     CPU GEMM's native path gives it up to max_rows (ops/cpu/gemm.py: else a served prompt of a new
     length pays 5-7 ms per shape). A no-op where that path does not run."""
-    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled() or not shapes:
+    if not _cpu_kernels_on(device) or not shapes:
         return
     mod = cpu_gemm.module()
     if mod is None or not cpu_gemm.native_row_counts(max_rows, mod):
@@ -229,15 +232,13 @@ def warm_cpu_gemm(device: torch.device, shapes: set[tuple[int, int]], max_rows: 
 def int8_lm_head_rows_max(device: torch.device) -> int | None:
     """Rows up to which a draft head's INT8 LM head beats the target's bf16 one on this device
     (None: at every row count, e.g. on GPUs, where decode reads weights and int8 reads half)."""
-    if device.type != "cpu" or kernel_mode() != "auto" or not kernels_enabled():
-        return None
-    return cpu_gemm.int8_lm_head_rows_max()
+    return cpu_gemm.int8_lm_head_rows_max() if _cpu_kernels_on(device) else None
 
 
 def int4_widened_pays(device: torch.device) -> bool:
     """Whether a draft head's int4 layers should run widened to bf16 on this device (CPUs where
     bf16 is native and unpacking costs more than the bytes it saves; never on GPUs)."""
-    return device.type == "cpu" and kernel_mode() == "auto" and kernels_enabled() and cpu_gemm.int4_widened_pays()
+    return _cpu_kernels_on(device) and cpu_gemm.int4_widened_pays()
 
 
 def _cpu_gemm(x: torch.Tensor, *weights: torch.Tensor, group_size: int | None = None):

@@ -57,19 +57,17 @@ class _LinearFit:
         return max(a + b * x, 1e-6)
 
 
+COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class)
+
+
 class _Realized:
     """Tokens and seconds of whole steps, exponentially weighted, by key (batch class, drafted)."""
 
-    def __init__(self, decay: float = 0.9, min_steps: int = 3, cold: int = 2, max_age: int = 256) -> None:
-        self.decay, self.min_steps, self.cold, self.max_age = decay, min_steps, cold, max_age
+    def __init__(self, decay: float = 0.9, min_steps: int = 3, max_age: int = 256) -> None:
+        self.decay, self.min_steps, self.max_age = decay, min_steps, max_age
         self.sums: dict[tuple[int, bool], np.ndarray] = {}    # key -> [tokens, seconds, steps, last step]
-        self.seen: dict[tuple[int, bool], int] = {}
 
     def add(self, key: tuple[int, bool], tokens: int, seconds: float, step: int) -> None:
-        """The first `cold` steps of a key warm caches and code paths: not counted."""
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] <= self.cold:
-            return
         s = self.sums.get(key, np.zeros(4))
         s = s * np.array([self.decay, self.decay, 1.0, 0.0]) + np.array([tokens, seconds, 1.0, step])
         self.sums[key] = s
@@ -104,24 +102,25 @@ class AdaptiveK:
         self._probe_gap = probe_every
         self.probe_len, self._probe_left, self._probe_k = probe_len, 0, 1
         self._next_probe = explore_steps + probe_every
-        self._seen: dict[str, int] = {}
+        self._seen: dict = {}                        # timings seen per kind (_warm)
 
     def acceptance(self) -> np.ndarray:
         """Conditional acceptance rate per draft position."""
         return self.accepted / np.maximum(self.drafted, 1e-9)
 
-    def observe_verify(self, rows: int, seconds: float, speculated: bool) -> None:
-        # the first steps of each kind warm caches and code paths: not representative
-        key = "spec" if speculated else "plain"
+    def _warm(self, key) -> bool:
+        """Whether this timing of `key` counts: the first COLD of each kind warm caches and code
+        paths (SmolLM2, C1: the first drafts put 3.8 ms per draft in the fit, 1-1.5 warm, and the
+        exploration steps after them were too few to pull it back)."""
         self._seen[key] = self._seen.get(key, 0) + 1
-        if self._seen[key] > 2:
+        return self._seen[key] > COLD
+
+    def observe_verify(self, rows: int, seconds: float, speculated: bool) -> None:
+        if self._warm("spec" if speculated else "plain"):
             self.verify.add(rows, seconds)
 
     def observe_draft(self, n: int, catchup_rows: int, catchup_s: float, draft_s_per_k: float) -> None:
-        # the first drafts run the head cold (SmolLM2, C1: 3.8 ms per draft in the fit, 1-1.5 warm),
-        # and the exploration steps that follow are too few to pull the fit back
-        self._seen["draft"] = self._seen.get("draft", 0) + 1
-        if self._seen["draft"] > 2:
+        if self._warm("draft"):
             self.catchup.add(catchup_rows, catchup_s)
             self.draft.add(n, draft_s_per_k)
 
@@ -129,7 +128,9 @@ class AdaptiveK:
         """A whole steady decode step: n requests, whether they verified drafts, the tokens it
         emitted and the seconds from the previous step's start to this one's (the proposer leaves
         out steps whose drafting caught up more than a steady step's rows: after an off stretch)."""
-        self.realized.add((batch_class(n), drafted), tokens, seconds, self.steps)
+        key = (batch_class(n), drafted)
+        if self._warm(key):
+            self.realized.add(key, tokens, seconds, self.steps)
 
     def realized_verdict(self, n: int) -> bool | None:
         """What whole steps at this size say: False where steps with drafts delivered fewer tokens

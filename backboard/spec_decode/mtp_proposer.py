@@ -43,25 +43,23 @@ class PendingRows:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.spans: dict[str, tuple[int, list[torch.Tensor]]] = {}    # req_id -> (start, [rows [n_j, H]])
+        self.spans: dict[str, tuple[int, int, list[torch.Tensor]]] = {}    # req_id -> (start, rows, [rows [n_j, H]])
 
     def add(self, rid: str, pos: int, rows: torch.Tensor) -> None:
         """rows [n, H] at positions pos.. (a span that does not continue the kept one restarts it:
         a recomputed request, or rows lost)."""
-        start, parts = self.spans.get(rid, (pos, []))
-        if start + sum(len(t) for t in parts) != pos:
-            start, parts = pos, []
+        start, n, parts = self.spans.get(rid, (pos, 0, []))
+        if start + n != pos:
+            start, n, parts = pos, 0, []
         parts.append(rows)
-        n = sum(len(t) for t in parts)
+        n += len(rows)
         if n > self.cap:
-            joined = torch.cat(parts)[n - self.cap:]
-            start, parts = start + n - self.cap, [joined]
-        self.spans[rid] = (start, parts)
+            parts, start, n = [torch.cat(parts)[n - self.cap:]], start + n - self.cap, self.cap
+        self.spans[rid] = (start, n, parts)
 
     def take(self, rid: str, pos: int) -> torch.Tensor | None:
         """The rows that end just before position pos ([n, H], removed), or None."""
-        start, parts = self.spans.pop(rid, (0, []))
-        n = sum(len(t) for t in parts)
+        start, n, parts = self.spans.pop(rid, (0, 0, []))
         return torch.cat(parts) if parts and start + n == pos else None
 
     def keep_only(self, req_ids: list[str]) -> None:

@@ -58,12 +58,17 @@ def module(isa: str | None = None):
 INT8_LM_HEAD_ROWS_MAX = {"amx_bf16": 4}
 
 
+def _isa_running(mod) -> str | None:
+    """The level whose kernels run: an amx_bf16 build where the kernel refused the tile state
+    runs its avx512_bf16 paths."""
+    if mod is None:
+        return None
+    return "avx512_bf16" if mod.isa() == "amx_bf16" and not mod.amx() else mod.isa()
+
+
 def int8_lm_head_rows_max(mod=None) -> int | None:
     """Rows up to which an INT8 LM head beats a bf16 one here (None: at every row count)."""
-    mod = mod or module()
-    if mod is None or (mod.isa() == "amx_bf16" and not mod.amx()):
-        return None
-    return INT8_LM_HEAD_ROWS_MAX.get(mod.isa())
+    return INT8_LM_HEAD_ROWS_MAX.get(_isa_running(mod or module()))
 
 
 # The draft head's int4 layers widened to bf16 once at load (bf16 targets): unpacking nibbles is
@@ -74,9 +79,8 @@ INT4_WIDENED_ISAS = ("amx_bf16",)
 
 
 def int4_widened_pays(mod=None) -> bool:
-    """Whether int4 weights run faster widened to bf16 here (INT4_WIDENED_ISAS, AMX usable)."""
-    mod = mod or module()
-    return mod is not None and mod.isa() in INT4_WIDENED_ISAS and (mod.isa() != "amx_bf16" or mod.amx())
+    """Whether int4 weights run faster widened to bf16 here (INT4_WIDENED_ISAS)."""
+    return _isa_running(mod or module()) in INT4_WIDENED_ISAS
 
 
 # bf16 x on AMX tiles up to this many rows (2 Sapphire Rapids cores, bf16 weights: 128 rows of a
