@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--teacher-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the target's pass that writes the distillation targets (bfloat16: the "
                         "serving numerics, several times faster on CPUs with native bf16)")
-    t.add_argument("--init", choices=["mtp", "random"], default="mtp",
-                   help="start from the checkpoint's MTP head when it has one")
+    t.add_argument("--init", default="mtp", metavar="mtp|random|DIR",
+                   help="start from the checkpoint's MTP head when it has one (mtp), from random weights, "
+                        "or from a draft head folder saved for this model (training goes on from it)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=run_train)
     q = dsub.add_parser("quantize", help="the checkpoint's own MTP head as a 4-bit draft head")

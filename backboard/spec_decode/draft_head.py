@@ -100,22 +100,10 @@ def read_draft_config(path: str, mc: ModelConfig) -> dict:
     return meta
 
 
-def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weight: torch.Tensor,
-                    compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
-                    int8_lm_head: bool = True):
-    """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
-    one quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
-    target's own compute_logits without int8_lm_head. With it, a bf16 target's compute_logits
-    still takes the rows above dispatch.int8_lm_head_rows_max (CPUs where bf16 is the faster LM
-    head there). For a bf16 target on CPUs where dispatch.int4_widened_pays, the int4 layers are
-    widened to bf16 once here (each int4 value times its scale, rounded to bf16; drafts only, so
-    speculation stays lossless).
-    -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V]).
-
-    Under TP the head is whole on every rank (built in parallel_state.replicated(); it is small,
-    and every rank has the whole hidden state after the row-parallel all-reduce), so its attention
-    layer needs a KV cache with all the KV heads; the INT8 LM head is split by vocabulary as the
-    target's is."""
+def read_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, attn_idx: int,
+                    device: str = "cpu") -> tuple[MTPHead, dict[str, torch.Tensor]]:
+    """The saved head with its int4 layers as saved (eval mode) and its INT8 LM head's tensors
+    ({"qweight", "scales"}, empty when it has none)."""
     from safetensors.torch import load_file
 
     meta = read_draft_config(path, mc)
@@ -132,11 +120,35 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
     if missing or unexpected:
         raise ConfigError(f"draft head {path} does not match its config: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
-    head.eval()
+    return head.eval(), lm_sd
+
+
+def widen_head(head: MTPHead, dtype: torch.dtype) -> None:
+    """Every int4 layer of the head as a dense Linear in dtype, in place (Int4Linear.widened)."""
+    for name, lin in _linears(head):
+        if isinstance(lin, Int4Linear):
+            _set(head, name, lin.widened(dtype))
+
+
+def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weight: torch.Tensor,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
+                    int8_lm_head: bool = True):
+    """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
+    one quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
+    target's own compute_logits without int8_lm_head. With it, a bf16 target's compute_logits
+    still takes the rows above dispatch.int8_lm_head_rows_max (CPUs where bf16 is the faster LM
+    head there). For a bf16 target on CPUs where dispatch.int4_widened_pays, the int4 layers are
+    widened to bf16 once here (each int4 value times its scale, rounded to bf16; drafts only, so
+    speculation stays lossless).
+    -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V]).
+
+    Under TP the head is whole on every rank (built in parallel_state.replicated(); it is small,
+    and every rank has the whole hidden state after the row-parallel all-reduce), so its attention
+    layer needs a KV cache with all the KV heads; the INT8 LM head is split by vocabulary as the
+    target's is."""
+    head, lm_sd = read_draft_head(path, mc, dtype, attn_idx, device)
     if dtype == torch.bfloat16 and dispatch.int4_widened_pays(torch.device(device)):
-        for name, lin in _linears(head):
-            if isinstance(lin, Int4Linear):
-                _set(head, name, lin.widened(dtype))
+        widen_head(head, dtype)
     if not int8_lm_head:
         return head, compute_logits
     int8 = _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)

@@ -26,7 +26,7 @@ from backboard.forward_context import set_forward_context
 from backboard.models.loader import Checkpoint, load_model, load_weights
 from backboard.models.mtp import MTPHead
 from backboard.spec_decode.corpus import TokenCorpus
-from backboard.spec_decode.draft_head import quantize_head, save_draft_head
+from backboard.spec_decode.draft_head import quantize_head, read_draft_head, save_draft_head, widen_head
 from backboard.worker.input_batch import BatchRequest, prepare_batch
 from backboard.worker.memory import allocate_caches
 
@@ -55,7 +55,14 @@ class Teacher:
 
 
 def init_head(cfg: ModelConfig, init: str, seed: int) -> MTPHead:
+    """A float32 head to train. init: "mtp" (the checkpoint's MTP head when it has one, else
+    random), "random", or a saved draft head's folder (its int4 weights dequantized: training
+    goes on from there)."""
     torch.manual_seed(seed)
+    if init not in ("mtp", "random"):
+        head, _ = read_draft_head(init, cfg, torch.float32, attn_idx=0)
+        widen_head(head, torch.float32)
+        return _trainable(head)
     head = MTPHead(cfg, torch.float32, attn_idx=0)
     ckpt = Checkpoint(cfg.path)
     if init == "mtp" and any(k.startswith("mtp.") for k in ckpt.keys()):
@@ -68,6 +75,10 @@ def init_head(cfg: ModelConfig, init: str, seed: int) -> MTPHead:
                     p.zero_() if cfg.norm_zero_centered else p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
+    return _trainable(head)
+
+
+def _trainable(head: MTPHead) -> MTPHead:
     for p in head.parameters():
         p.requires_grad_(True)
     return head.train()
@@ -286,6 +297,7 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
     feat_weight > 0: EAGLE's feature regression beside the token loss (head_loss)."""
     torch.manual_seed(seed)
     cfg = ModelConfig.from_pretrained(model, dtype="float32")
+    head = init_head(cfg, init, seed)   # first: a bad --init folder stops before the teacher's pass
     tok = Tokenizer(model)
     train, held = _split(_as_corpus(text, tok), held_text, tok)
     rng = np.random.default_rng(seed)
@@ -301,7 +313,6 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
     cache = TeacherCache.build(teacher, seqs, weight, batch_size, log)
     held_cache = TeacherCache.build(teacher, held_seqs[:held_windows], held_weight[:held_windows], batch_size, log)
     log(f"teacher outputs for {len(cache)} windows ({cache.seqs.size} tokens) in {time.time() - t_build:.0f} s")
-    head = init_head(cfg, init, seed)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     lm_w = target.lm_head.weight.float()
     vocab = LossVocab.build([torch.from_numpy(seqs), cache.top_ids[..., :loss_vocab_top]],

@@ -121,3 +121,23 @@ def test_int4_layers_widened_where_bf16_pays(trained_draft_head, soft_model, mon
             assert torch.equal(m.weight, dequantize_int4(q.qweight, q.scales, q.group_size, torch.bfloat16))
         x = torch.randn(5, m.in_features).bfloat16()
         torch.testing.assert_close(m(x).float(), q(x).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_training_continues_from_a_saved_head(trained_draft_head, soft_model, tmp_path):
+    """--init DIR starts from the saved head's dequantized weights: zero steps keep its int4
+    weights bit for bit (a fresh start would not) and its held-out agreement; a folder that is
+    not a draft head stops before the teacher's pass."""
+    from safetensors.torch import load_file
+
+    from backboard.spec_decode.train import train_draft_head
+
+    path, stats = trained_draft_head
+    text = " ".join(["alpha beta gamma"] * 400)
+    out = tmp_path / "cont"
+    train_draft_head(soft_model, text, str(out), steps=0, seq_len=64, batch_size=2, init=path,
+                     max_windows=2, log=lambda *a: None)
+    old, new = load_file(os.path.join(path, "draft_head.safetensors")), load_file(out / "draft_head.safetensors")
+    qnames = [k for k in old if k.endswith(".qweight") and not k.startswith("lm_head")]
+    assert qnames and all((old[k] == new[k]).all() for k in qnames)
+    with pytest.raises(ConfigError, match="no config.json"):
+        train_draft_head(soft_model, text, str(tmp_path / "x"), steps=0, init=str(tmp_path), log=lambda *a: None)
