@@ -3,28 +3,31 @@ batch size, the measured acceptance and the measured step times.
 
     E(k)  = 1 + sum_{j<=k} prod_{i<=j} a_i      (tokens per request per step; a_i the acceptance
                                                  rate of draft i given that i-1 were accepted)
-    T(k)  = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n * E(k)) + k * t_draft(n))
-    k*    = argmax_k  n * E(k) / T(k),  k in 0..k_max       (n = requests that get drafts)
+    k*    = argmax_k  n * E(k) / T(n, k),  k in 0..k_max      (n = requests that get drafts)
+
+T(n, k) is what whole steps take: the seconds of the engine's steady decode steps at this batch
+size class that verified k drafts per request, from one step's start to the next's (drafting,
+scheduler, forward, sampling, output: everything). Where a k is not measured (recently), the
+model stands in for it, plus what the model missed where both are known:
+
+    T_model(k) = t_verify(n * (1 + k)) + [k > 0] * (t_catchup(n * E(k)) + k * t_draft(n))
+
+t_verify(rows) is a linear fit over decode steps (steps with prefill chunks are left out: their
+rows cost differently); t_catchup is linear in the rows the head catches up on (a request's
+accepted drafts + 1 in steady state, a whole prompt after its prefill: fitted per request, those
+made a one-request catch-up look like 26 ms where it takes ~2); t_draft is linear in n.
+Tokens come from E(k), not from the whole steps: at one request a step emits 1 to k + 1 tokens,
+far noisier than its seconds; the acceptance pools every drafted position of every step.
 
 With k = 0 the proposer runs no model (it only keeps the target's hidden states of the step, so
 that turning speculation back on catches its cache up instead of leaving holes), so speculation
-that does not pay is never slower than none. t_verify(rows) is a linear fit over decode steps
-(steps with prefill chunks are left out: their rows cost differently); t_catchup is linear in the
-rows the head catches up on (a request's accepted drafts + 1 in steady state, a whole prompt after
-its prefill: fitted per request, those made a one-request catch-up look like 26 ms where it takes
-~2); t_draft is linear in n. Exploration: the first steps alternate k = 1 and 0 so that the fit
-sees both row counts; later, every `probe_every` steps try the other side (when off, a run of
-`probe_len` steps at the model's best k; when on, one step at k = 0), less and less often (up to
-8x) while off stays the answer.
-Speculation is chosen only when its expected rate beats none by `margin` (the fit and the
-acceptance are estimates; off costs nothing), and the acceptance prior is modest (0.3).
-
-The model can be wrong where its parts miss a cost (the scheduler's and the output's work per
-draft, a step time that is not linear in rows), so it is also held to what whole steps deliver:
-the tokens per second of the engine's steady decode steps (from one step's start to the next's,
-everything included), per batch-size class, with drafts and without. Where both are measured,
-they decide: off where steps with drafts delivered less, on where they delivered `margin` times
-more, whatever the model says (the probes keep measuring the other side)."""
+that does not pay is never slower than none. Exploration: the first steps alternate k = 1 and 0
+so that the fit sees both row counts; later, every `probe_every` steps try another side (when
+on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
+k, less and less often (up to 8x) while off stays the answer). Speculation is chosen only when
+its expected rate beats none by `margin`, unless whole steps measured both (off costs nothing).
+The acceptance prior is modest (0.3 for the first draft; each later position is rated like the
+one before it until it is measured)."""
 
 from __future__ import annotations
 
@@ -57,28 +60,33 @@ class _LinearFit:
         return max(a + b * x, 1e-6)
 
 
+PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
 COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class)
 
 
-class _Realized:
-    """Tokens and seconds of whole steps, exponentially weighted, by key (batch class, drafted)."""
+
+PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
+COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class and k)
+
+
+class _StepSeconds:
+    """Seconds of whole steps, exponentially weighted, by key (batch class, k)."""
 
     def __init__(self, decay: float = 0.9, min_steps: int = 3, max_age: int = 256) -> None:
         self.decay, self.min_steps, self.max_age = decay, min_steps, max_age
-        self.sums: dict[tuple[int, bool], np.ndarray] = {}    # key -> [tokens, seconds, steps, last step]
+        self.sums: dict[tuple[int, int], np.ndarray] = {}    # key -> [seconds, weight, steps, last step]
 
-    def add(self, key: tuple[int, bool], tokens: int, seconds: float, step: int) -> None:
+    def add(self, key: tuple[int, int], seconds: float, step: int) -> None:
         s = self.sums.get(key, np.zeros(4))
-        s = s * np.array([self.decay, self.decay, 1.0, 0.0]) + np.array([tokens, seconds, 1.0, step])
-        self.sums[key] = s
+        self.sums[key] = s * np.array([self.decay, self.decay, 1.0, 0.0]) + np.array([seconds, 1.0, 1.0, step])
 
-    def rate(self, key: tuple[int, bool], step: int) -> float | None:
-        """Tokens per second; None until min_steps steps were counted, or when the last is more
-        than max_age steps old (conditions change: the model and the probes decide again)."""
+    def mean(self, key: tuple[int, int], step: int) -> float | None:
+        """None until min_steps steps were counted, or when the last is more than max_age steps
+        old (conditions change: the model and the probes decide again)."""
         s = self.sums.get(key)
         if s is None or s[2] < self.min_steps or step - s[3] > self.max_age:
             return None
-        return s[0] / max(s[1], 1e-9)
+        return s[0] / s[1]
 
 
 def batch_class(n: int) -> int:
@@ -91,22 +99,32 @@ class AdaptiveK:
                  probe_every: int = 16, margin: float = 1.05, probe_len: int = 4) -> None:
         self.k_max, self.enabled = k_max, enabled
         self.explore_steps, self.probe_every, self.margin = explore_steps, probe_every, margin
-        self.drafted = np.full(k_max, 10.0)          # pseudo-counts for the prior
-        self.accepted = self.drafted * prior
+        self.prior, self.prior_weight = prior, PRIOR_WEIGHT
+        self.drafted = np.zeros(k_max)               # decayed counts of drafts reached / accepted
+        self.accepted = np.zeros(k_max)
         # slow decay: mostly one row count is seen at a time, the probes keep the other one
         self.verify = _LinearFit(decay=0.98)
         self.catchup = _LinearFit()
         self.draft = _LinearFit()
-        self.realized = _Realized()
+        self.whole = _StepSeconds()
         self.steps = 0
         self._probe_gap = probe_every
         self.probe_len, self._probe_left, self._probe_k = probe_len, 0, 1
         self._next_probe = explore_steps + probe_every
+        self._probe_turn = 0                         # probes while on: k = 0 and the other ks in turn
         self._seen: dict = {}                        # timings seen per kind (_warm)
 
+    # what is measured ---------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
-        """Conditional acceptance rate per draft position."""
-        return self.accepted / np.maximum(self.drafted, 1e-9)
+        """Conditional acceptance rate per draft position: each position's counts shrunk toward
+        the position before it (the first toward `prior`), so a position rarely drafted is rated
+        like the one before it. (A fixed prior for every position kept drafts 2 and 3 at 0.3
+        where they were accepted at ~0.5: steps at k = 1 only measure draft 1, so k = 1 looked
+        best and stayed chosen; SmolLM2, C1: adaptive 1.21x where a fixed k = 2 ran at 1.32x.)"""
+        out, before = np.empty(self.k_max), self.prior
+        for j in range(self.k_max):
+            out[j] = before = (self.accepted[j] + self.prior_weight * before) / (self.drafted[j] + self.prior_weight)
+        return out
 
     def _warm(self, key) -> bool:
         """Whether this timing of `key` counts: the first COLD of each kind warm caches and code
@@ -124,22 +142,13 @@ class AdaptiveK:
             self.catchup.add(catchup_rows, catchup_s)
             self.draft.add(n, draft_s_per_k)
 
-    def observe_step(self, n: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole steady decode step: n requests, whether they verified drafts, the tokens it
-        emitted and the seconds from the previous step's start to this one's (the proposer leaves
-        out steps whose drafting caught up more than a steady step's rows: after an off stretch)."""
-        key = (batch_class(n), drafted)
+    def observe_step(self, n: int, k: int, seconds: float) -> None:
+        """A whole steady decode step: n requests, the drafts per request it verified (k) and the
+        seconds from the previous step's start to this one's (the proposer leaves out steps
+        whose drafting caught up more than a steady step's rows: after an off stretch)."""
+        key = (batch_class(n), k)
         if self._warm(key):
-            self.realized.add(key, tokens, seconds, self.steps)
-
-    def realized_verdict(self, n: int) -> bool | None:
-        """What whole steps at this size say: False where steps with drafts delivered fewer tokens
-        per second than steps without, True where they delivered `margin` times more, None where
-        that is not measured or in between (the model decides)."""
-        on, off = (self.realized.rate((batch_class(n), d), self.steps) for d in (True, False))
-        if on is None or off is None:
-            return None
-        return False if on < off else True if on > self.margin * off else None
+            self.whole.add(key, seconds, self.steps)
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         d = 0.995
@@ -148,15 +157,41 @@ class AdaptiveK:
                 self.drafted[j] = self.drafted[j] * d + nd
                 self.accepted[j] = self.accepted[j] * d + na
 
+    # what is expected ---------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.sum(np.cumprod(self.acceptance()[:k]))) if k else 1.0
 
-    def rate(self, n: int, k: int) -> float:
+    def model_seconds(self, n: int, k: int) -> float:
         t = self.verify(n * (1 + k))
         if k:
             t += self.catchup(n * self.expected_tokens(k)) + k * self.draft(n)
-        return n * self.expected_tokens(k) / t
+        return t
 
+    def rate(self, n: int, k: int) -> float:
+        """The model's tokens per second (no whole steps)."""
+        return n * self.expected_tokens(k) / self.model_seconds(n, k)
+
+    def _measured(self, n: int) -> dict[int, float]:
+        """Whole-step seconds at this size for each k measured (recently enough)."""
+        means = {k: self.whole.mean((batch_class(n), k), self.steps) for k in range(self.k_max + 1)}
+        return {k: t for k, t in means.items() if t is not None}
+
+    def step_seconds(self, n: int, k: int, measured: dict[int, float]) -> float:
+        """T(n, k): measured, or the model plus its mean miss over the measured ks on the same
+        side (k = 0 or k > 0: speculation's misses are its own)."""
+        if k in measured:
+            return measured[k]
+        misses = [t - self.model_seconds(n, j) for j, t in measured.items() if (j > 0) == (k > 0)]
+        t = self.model_seconds(n, k)
+        return max(t + float(np.mean(misses)), 0.5 * t) if misses else t
+
+    def rates(self, n: int) -> np.ndarray:
+        """[k_max + 1] expected tokens per second for each k."""
+        measured = self._measured(n)
+        return np.array([n * self.expected_tokens(k) / self.step_seconds(n, k, measured)
+                         for k in range(self.k_max + 1)]), measured
+
+    # the choice ---------------------------------------------------------------------------
     def choose(self, n: int) -> int:
         self.steps += 1
         if not self.enabled or n == 0:
@@ -166,21 +201,27 @@ class AdaptiveK:
         if self._probe_left > 0:                     # inside a probe run
             self._probe_left -= 1
             return self._probe_k
-        cand = max(range(1, self.k_max + 1), key=lambda k: self.rate(n, k))
-        on = self.realized_verdict(n)
-        if on is None:
-            on = self.rate(n, cand) >= self.margin * self.rate(n, 0)
-        best = cand if on else 0                     # speculation must clearly pay: off is never slower
+        rates, measured = self.rates(n)
+        cand = 1 + int(np.argmax(rates[1:]))
+        margin = 1.0 if cand in measured and 0 in measured else self.margin
+        best = cand if rates[cand] > margin * rates[0] else 0   # speculation must pay: off is never slower
         if self.steps >= self._next_probe:
-            # probes of a losing speculation cost: back off while off stays the answer
-            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
-            self._next_probe = self.steps + self._probe_gap
-            if best:
-                return 0
-            # where the model rates speculation close to paying, a run of steps at its best k: the
-            # first catches the head up on the off stretch, the rest are steady steps (whole-step
-            # rates, acceptance at every draft position); far from it, one step
-            close = self.rate(n, cand) >= 0.9 * self.rate(n, 0)
-            self._probe_k, self._probe_left = cand, (self.probe_len - 1) if close else 0
-            return cand
+            return self._probe(best, cand, rates)
         return best
+
+    def _probe(self, best: int, cand: int, rates: np.ndarray) -> int:
+        """A step (or a run) on another side, so that whole steps keep measuring it. On: one
+        step at k = 0 or at another k, in turn (each is a clean whole-step sample: the step
+        drafts and verifies that k). Off: probes of a losing speculation cost, so they back off
+        while off stays the answer; where speculation is rated close to paying, a run at its
+        best k (the first catches the head up on the off stretch, the rest are steady steps
+        with acceptance at every draft position); far from it, one step."""
+        self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
+        self._next_probe = self.steps + self._probe_gap
+        if best:
+            others = [k for k in range(1, self.k_max + 1) if k != best]
+            self._probe_turn += 1
+            return others[self._probe_turn // 2 % len(others)] if others and self._probe_turn % 2 == 0 else 0
+        close = rates[cand] >= 0.9 * rates[0]
+        self._probe_k, self._probe_left = cand, (self.probe_len - 1) if close else 0
+        return cand

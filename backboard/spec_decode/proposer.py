@@ -117,7 +117,8 @@ class Proposer:
         steady = steady and self._caught_up <= n * (self.k_max + 1)   # not a catch-up over an off stretch
         self._caught_up = 0
         if steady and n:
-            self.adaptive.observe_step(n, plan.has_spec, sum(len(t) for t in result.token_ids), now - last[0])
+            k = max((len(d) for d in plan.drafts), default=0)
+            self.adaptive.observe_step(n, k, now - last[0])
 
     def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float) -> None:
         lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
