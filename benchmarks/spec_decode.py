@@ -72,13 +72,16 @@ def k_share(k_steps) -> str:
 
 
 def speed_rows(model: str, specs: list[tuple[str, dict]], reqs, sp, C: int, repeats: int) -> None:
-    """Each configuration against no speculation, alternating (none, spec, none, spec, ...) so that
-    the machine's drift hits both alike; prints every repeat's ratio and their median."""
+    """Each configuration against no speculation in pairs, the pair's order alternating (none
+    first, then spec first, ...) so that the machine's drift and whatever the first run of a
+    pair pays hit both alike; prints every pair's ratio and their median."""
     for name, spec in specs:
         ratios, last = [], None
-        for _ in range(repeats):
-            base = measure(model, None, reqs, sp, C)
-            last = measure(model, spec, reqs, sp, C)
+        for r in range(repeats):
+            if r % 2 == 0:
+                base, last = measure(model, None, reqs, sp, C), measure(model, spec, reqs, sp, C)
+            else:
+                last, base = measure(model, spec, reqs, sp, C), measure(model, None, reqs, sp, C)
             ratios.append(last["tok_s"] / base["tok_s"])
         print(f"  C={C:<3} {name:<24} {last['tok_s']:7.1f} tok/s vs {base['tok_s']:7.1f}  ratios "
               + " ".join(f"{r:.2f}" for r in ratios) + f"  median {float(np.median(ratios)):.2f}x  "
@@ -124,15 +127,15 @@ def real_text(args) -> None:
             print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row)),
                   flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    print(f"decode speed (greedy), floor = no speculation; max(4 C, 16) requests of the held-out prompts per "
-          f"run, {args.repeats} alternating runs each:")
+    print(f"decode speed (greedy), floor = no speculation; 10 C requests (InferenceX's count, at least 16) of the "
+          f"held-out prompts per run, {args.repeats} pairs each (the order in a pair alternates):")
     specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
                                                   "num_speculative_tokens": args.k}),
              (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})]
     specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
                                            "adaptive": False}) for k in args.fixed_k]
     for C in map(int, args.concurrency.split(",")):
-        n = max(4 * C, 16)
+        n = max(10 * C, 16)
         speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], sp, C, args.repeats)
 
 
