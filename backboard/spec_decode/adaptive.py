@@ -25,7 +25,7 @@ that does not pay is never slower than none. Exploration: the first steps altern
 so that the fit sees both row counts; later, every `probe_every` steps try another side (when
 on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
 k, less and less often (up to 8x) while off stays the answer). Speculation is chosen only when
-its expected rate beats none by `margin`, unless whole steps measured both (off costs nothing).
+its expected rate beats none by `margin` (off costs nothing).
 The acceptance prior is modest (0.3 for the first draft; each later position is rated like the
 one before it until it is measured)."""
 
@@ -203,8 +203,7 @@ class AdaptiveK:
             return self._probe_k
         rates, measured = self.rates(n)
         cand = 1 + int(np.argmax(rates[1:]))
-        margin = 1.0 if cand in measured and 0 in measured else self.margin
-        best = cand if rates[cand] > margin * rates[0] else 0   # speculation must pay: off is never slower
+        best = cand if rates[cand] > self.margin * rates[0] else 0   # speculation must pay: off is never slower
         if self.steps >= self._next_probe:
             return self._probe(best, cand, rates)
         return best
