@@ -61,11 +61,6 @@ class _LinearFit:
 
 
 PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
-COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class)
-
-
-
-PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
 COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class and k)
 
 
