@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backboard import LLM, SamplingParams  # noqa: E402
+from backboard.bench.dataset import sample_lengths  # noqa: E402
 from backboard.spec_decode.corpus import FORMS, HELD_OUT_TOPICS, chat_prompt_ids, chat_training_corpus  # noqa: E402
 
 HELD_OUT_FORMS = FORMS[:6]   # held-out prompts: these forms of HELD_OUT_TOPICS (never trained on)
@@ -50,7 +51,7 @@ def measure(model: str, spec, reqs, sp, C: int, max_model_len: int = 1024) -> di
     """One engine (max_num_seqs = C) serving reqs after a warm-up: tokens/s, mean TPOT, the mean
     acceptance length, the last k chosen and the tokens."""
     llm = LLM(model, max_num_seqs=C, max_model_len=max_model_len, speculative_config=spec)
-    llm.generate(reqs[:2], sp)
+    llm.generate(reqs[:2], sp[:2] if isinstance(sp, list) else sp)
     t = time.perf_counter()
     outs = llm.generate(reqs, sp)
     wall = time.perf_counter() - t
@@ -126,9 +127,9 @@ def real_text(args) -> None:
                 row.append(measure(model, spec, reqs, sp, len(reqs))["accept"] or 0.0)
             print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row)),
                   flush=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     print(f"decode speed (greedy), floor = no speculation; 10 C requests (InferenceX's count, at least 16) of the "
-          f"held-out prompts per run, {args.repeats} pairs each (the order in a pair alternates):")
+          f"held-out prompts per run, output lengths uniform in [{args.range_ratio} L, L] (InferenceX's rule), "
+          f"{args.repeats} pairs each (the order in a pair alternates):")
     specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
                                                   "num_speculative_tokens": args.k}),
              (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})]
@@ -136,7 +137,18 @@ def real_text(args) -> None:
                                            "adaptive": False}) for k in args.fixed_k]
     for C in map(int, args.concurrency.split(",")):
         n = max(10 * C, 16)
-        speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], sp, C, args.repeats)
+        speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C, args.repeats)
+
+
+def speed_params(args, n: int) -> list[SamplingParams]:
+    """Greedy, ignore_eos, max_tokens drawn as InferenceX draws output lengths (seed 0: the same on
+    both sides of a pair). Equal lengths (--range-ratio 1) keep a batch's requests in step without
+    speculation, so their prompts are prefilled together, while any accepted draft scatters them
+    and each prompt is prefilled alone: at C16 on SmolLM2 that alone cost speculation 5-8%
+    (benchmarks/results/spec-smollm2-20261204.txt), a cost InferenceX's lengths give both sides."""
+    np.random.seed(0)
+    return [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
+            for m in sample_lengths(args.output_len, args.range_ratio, n)]
 
 
 # ---- synthetic ------------------------------------------------------------------------------
@@ -193,6 +205,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--range-ratio", type=float, default=0.8, help="real text, speed rows: output lengths uniform "
+                    "in [r L, L] as InferenceX draws them (1: all equal)")
     ap.add_argument("--held-out", type=int, default=48, help="real text: held-out prompts (at most 48; 8 before "
                     "2026-12-03)")
     ap.add_argument("--repeats", type=int, default=3, help="real text: alternating runs per speed row")

@@ -23,6 +23,12 @@ def load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
+def sample_lengths(length: int, range_ratio: float, n: int) -> np.ndarray:
+    """[n] lengths uniform in [int(length * r), length], from numpy's global legacy generator
+    (the reference client's rule, for its input and output lengths alike)."""
+    return np.random.randint(int(length * range_ratio), length + 1, size=n)
+
+
 def sample_random_requests(tokenizer, input_len: int, output_len: int, num_prompts: int,
                            range_ratio: float = 0.8, seed: int = 0) -> list[BenchRequest]:
     """Lengths uniform in [int(L * r), L]; request i is the ids (offset_i + i + j) % vocab, decoded,
@@ -37,8 +43,8 @@ def sample_random_requests(tokenizer, input_len: int, output_len: int, num_promp
         raise ValueError("input length, output length and number of prompts must be >= 1")
     np.random.seed(seed)
     vocab = tokenizer.vocab_size
-    input_lens = np.random.randint(int(input_len * range_ratio), input_len + 1, size=num_prompts)
-    output_lens = np.random.randint(int(output_len * range_ratio), output_len + 1, size=num_prompts)
+    input_lens = sample_lengths(input_len, range_ratio, num_prompts)
+    output_lens = sample_lengths(output_len, range_ratio, num_prompts)
     offsets = np.random.randint(0, vocab, size=num_prompts)
     requests = []
     for i in range(num_prompts):

@@ -94,6 +94,7 @@ class Proposer:
             for i, d, r in zip(keep, drafts, room[room > 0]):
                 out[i] = [int(t) for t in d[:int(r)]]
         self.adaptive.observe_draft(len(who), caught_up, t1 - t0, (time.perf_counter() - t1) / k)
+        self.adaptive.observe_coverage(sum(1 for d in out if d), len(who))
         return out
 
     def _room(self, plan: StepPlan, who: np.ndarray) -> np.ndarray:
