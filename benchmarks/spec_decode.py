@@ -144,8 +144,8 @@ def speed_params(args, n: int) -> list[SamplingParams]:
     """Greedy, ignore_eos, max_tokens drawn as InferenceX draws output lengths (seed 0: the same on
     both sides of a pair). Equal lengths (--range-ratio 1) keep a batch's requests in step without
     speculation, so their prompts are prefilled together, while any accepted draft scatters them
-    and each prompt is prefilled alone: at C16 on SmolLM2 that alone cost speculation 5-8%
-    (benchmarks/results/spec-smollm2-20261204.txt), a cost InferenceX's lengths give both sides."""
+    and each prompt is prefilled alone (at C16 on SmolLM2 ~2-2.5 s of a 15 s run,
+    benchmarks/results/spec-smollm2-20261204.txt), a cost InferenceX's lengths give both sides."""
     np.random.seed(0)
     return [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
             for m in sample_lengths(args.output_len, args.range_ratio, n)]

@@ -171,9 +171,9 @@ class AdaptiveK:
 
     def request_tokens(self, k: int) -> float:
         """Tokens per step of a request, drafted or not: 1 + c (E(k) - 1). (Counting every
-        request as drafted, n-gram at C16 on SmolLM2 rated k = 3 1.26x better than off where its
-        steps ran at 0.87x: ~5 of 16 requests had drafts, and the whole steps' seconds already
-        showed their few rows.)"""
+        request as drafted, n-gram at C16 on SmolLM2 chose k > 0 on 25-35% of the steps where
+        those steps ran at 0.87x the tokens/s of its k = 0 steps: ~5 of 16 requests had drafts,
+        and the whole steps' seconds already showed their few rows.)"""
         return 1.0 + self.coverage * (self.expected_tokens(k) - 1.0)
 
     def model_seconds(self, n: int, k: int) -> float:
