@@ -66,8 +66,8 @@ def test_quantize_cli_and_bad_folder(hybrid_model, tmp_path):
 
 
 def test_draft_lm_head_by_rows(trained_draft_head, soft_model, monkeypatch):
-    """Above dispatch.int8_lm_head_rows_max rows a bf16 target's own LM head drafts (on AMX the
-    INT8 one widened to fp32 ran 3x slower at 16 rows); at or below it, and for fp32 targets at
+    """Above dispatch.int8_lm_head_rows_max rows a bf16 target's own LM head drafts (on AMX and Zen 4 the
+    INT8 one widened to fp32 ran 2-3x slower at 16 rows); at or below it, and for fp32 targets at
     every row count, the INT8 head does."""
     import torch
 
@@ -96,7 +96,7 @@ def test_draft_lm_head_by_rows(trained_draft_head, soft_model, monkeypatch):
 
 @pytest.mark.parametrize("widen", [False, True])
 def test_int4_layers_widened_where_bf16_pays(trained_draft_head, soft_model, monkeypatch, widen):
-    """Where dispatch.int4_widened_pays (AMX: bf16 ran the head's layers 1.1-10x faster than
+    """Where dispatch.int4_widened_pays (AMX, Zen 4: bf16 ran the head's layers 1.1-10x faster than
     unpacking int4), a bf16 target's head holds each layer as the bf16 rounding of its int4
     weights; elsewhere it keeps the int4 layers. Both give the same drafts' inputs up to bf16."""
     import torch

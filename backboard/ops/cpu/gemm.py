@@ -51,11 +51,12 @@ def module(isa: str | None = None):
 
 
 # The draft head's INT8 LM head against the target's bf16 one: int8 halves the bytes, but widening
-# int8 to fp32 is arithmetic that bf16 weights skip on CPUs that multiply bf16 natively. On AMX
-# the bf16 LM head wins from 5 rows on (SmolLM2's 49152 x 576 on 2 Sapphire Rapids cores, ms int8
-# vs bf16: 4 rows 1.16 vs 1.31, 8 rows 2.2 vs 1.3, 16 rows 4.4 vs 1.5, 64 rows 20 vs 2.7). Levels
-# not listed keep int8 at every row count (avx512_bf16: not measured yet).
-INT8_LM_HEAD_ROWS_MAX = {"amx_bf16": 4}
+# int8 to fp32 is arithmetic that bf16 weights skip on CPUs that multiply bf16 natively. SmolLM2's
+# 49152 x 576 on 2 cores, ms int8 vs bf16 (benchmarks/draft_formats.py): Sapphire Rapids (AMX)
+# 4 rows 1.16 vs 1.31, 8 rows 2.2 vs 1.3, 16 rows 4.4 vs 1.5, 64 rows 20 vs 2.7; Zen 4 (VDPBF16PS,
+# no AMX) 2 rows 1.30 vs 2.16, 4 rows 1.46-1.54 vs 1.40-1.89, 8 rows 2.8 vs 1.9, 16 rows 5.6 vs 2.5,
+# 64 rows 33-76 vs 9.5. Levels not listed (no native bf16) keep int8 at every row count.
+INT8_LM_HEAD_ROWS_MAX = {"amx_bf16": 4, "avx512_bf16": 4}
 
 
 def _isa_running(mod) -> str | None:
@@ -73,9 +74,10 @@ def int8_lm_head_rows_max(mod=None) -> int | None:
 
 # The draft head's int4 layers widened to bf16 once at load (bf16 targets): unpacking nibbles is
 # arithmetic, and a draft head's weights are small (SmolLM2's: 8 MB in bf16) and come from cache.
-# On AMX bf16 won at every row count (the head's 5 linears, 2 Sapphire Rapids cores, ms int4 vs
-# bf16: 1 row 0.29 vs 0.21, 4 rows 0.34 vs 0.28, 16 rows 1.15 vs 0.29, 64 rows 6.2 vs 0.58).
-INT4_WIDENED_ISAS = ("amx_bf16",)
+# bf16 won at every row count, the head's 5 linears on 2 cores, ms int4 vs bf16: Sapphire Rapids
+# 1 row 0.29 vs 0.21, 4 rows 0.34 vs 0.28, 16 rows 1.15 vs 0.29, 64 rows 6.2 vs 0.58; Zen 4 1 row
+# 0.23 vs 0.12, 4 rows 0.35 vs 0.18, 16 rows 1.1-1.5 vs 0.35-0.56, 64 rows 6.6-11 vs 1.5.
+INT4_WIDENED_ISAS = ("amx_bf16", "avx512_bf16")
 
 
 def int4_widened_pays(mod=None) -> bool:
