@@ -109,16 +109,17 @@ def real_text(args) -> None:
 
     model = resolve_model_path(fetch_smollm2() if args.model == "smollm2" else args.model)
     draft = args.draft or os.path.join(tempfile.gettempdir(), "backboard-smollm2-draft")
-    if not os.path.isfile(os.path.join(draft, "config.json")):
+    heads = "draft_head" in args.methods
+    if heads and not os.path.isfile(os.path.join(draft, "config.json")):
         train_real_draft(model, draft, args.train_minutes, args.chat_prompts)
     held = chat_prompt_ids(Tokenizer(model).hf, held_out_asks(args.held_out))
     reqs = [{"prompt_token_ids": p} for p in held]
-    print(f"target {model}; draft {draft}\nheld-out prompts: {len(held)} (chat template), {args.output_len} "
-          f"output tokens")
+    print(f"target {model}; draft {draft if heads else '-'}\nheld-out prompts: {len(held)} (chat template), "
+          f"{args.output_len} output tokens")
     print(f"mean acceptance length (tokens per verify step, drafts accepted + 1), fixed k, C = {len(reqs)}:")
     for temp in (0.0, 0.7):
         sp = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
-        for method in ("draft_head", "ngram"):
+        for method in args.methods:
             row = []
             for k in (1, 2, 3, 4):
                 spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
@@ -131,10 +132,11 @@ def real_text(args) -> None:
           f"held-out prompts per run, output lengths uniform in [{args.range_ratio} L, L] (InferenceX's rule), "
           f"{args.repeats} pairs each (the order in a pair alternates):")
     specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
-                                                  "num_speculative_tokens": args.k}),
-             (f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})]
+                                                  "num_speculative_tokens": args.k})] if heads else []
+    specs += [(f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})
+              ] if "ngram" in args.methods else []
     specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
-                                           "adaptive": False}) for k in args.fixed_k]
+                                           "adaptive": False}) for k in args.fixed_k if heads]
     for C in map(int, args.concurrency.split(",")):
         n = max(10 * C, 16)
         speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C, args.repeats)
@@ -212,6 +214,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="real text: alternating runs per speed row")
     ap.add_argument("--fixed-k", type=lambda s: [int(k) for k in s.split(",") if k], default=[],
                     help="real text: also speed rows of the draft head at these fixed k (e.g. 2,3)")
+    ap.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=["draft_head", "ngram"],
+                    help="real text: proposers to measure (ngram alone needs no trained head)")
     args = ap.parse_args()
     args.concurrency = args.concurrency or ("1,4,16" if args.model else "1,4,16,64")
     (real_text if args.model else synthetic)(args)
