@@ -33,7 +33,7 @@ def print_check(ck: dict) -> None:
         print(f"  [---] {ck['name']:<44} skipped ({ck['skipped']})", flush=True)
         return
     head = f"  [{'ok ' if ck['ok'] else 'BAD'}] {ck['name']:<44} {ck.get('what', ''):<10}"
-    if ck["name"].startswith("engine"):
+    if ck["name"].startswith("engine") and "tok_per_s" in ck:
         print(f"{head} {'identical' if ck['ok'] else 'DIFFERENT'} tokens, {ck['tok_per_s']:.1f} tok/s, "
               f"graphs={ck['graphs']}" + (f" ERROR {ck['error']}" if ck.get("error") else ""), flush=True)
         return
