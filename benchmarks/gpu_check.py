@@ -29,8 +29,8 @@ own forward with Triton forced. Ratios: floor / time ("floor_frac") and eager / 
 Output: benchmarks/results/gpu_check-<gpu name>-<date>.json (or --out DIR) and a printed table.
 The sections live in benchmarks/gpucheck/ (plan, budget, kernel_path, timing, checks, bench,
 engine, report); this file is the entry point (arguments, the order of the sections, the results).
-Needs torch with CUDA, triton and numpy; nothing else (written for torch 2.11 / triton 3.6; it has
-only run in --smoke mode so far).
+Needs torch with CUDA, triton, numpy and backboard's own dependencies (msgspec for the engine section;
+torch 2.11 / triton 3.6). First run on an H200: benchmarks/results/gpu_check-NVIDIA-H200-20261204-*.
 """
 
 from __future__ import annotations

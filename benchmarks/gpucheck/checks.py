@@ -115,7 +115,8 @@ def kernel_checks(plan: Plan, calib: dict) -> list[dict]:
                  [("out", tol), ("conv_state", exact), ("ssm_state", tol)], nbytes)
         # other column splits of the recurrent kernel, for tuning (block_v >= dv fuses the norm)
         from backboard.ops.triton import gdn_decode as gdn_kernels
-        for bv in ((dv,) if plan.smoke else (dv, 32, 16)):
+        from backboard.ops.triton.variants import BLOCK_V_TUNING
+        for bv in ((dv,) if plan.smoke else tuple(dv if b == "head" else b for b in BLOCK_V_TUNING)):
             variant = functools.partial(gdn_kernels.gdn_decode, block_v=bv)
             run_case(out, plan, calib, f"{name} block_v={bv}", prep, gdn(D.gdn_decode_ref), gdn(variant),
                      [("out", tol), ("conv_state", exact), ("ssm_state", tol)], nbytes)

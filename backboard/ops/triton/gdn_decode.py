@@ -234,7 +234,11 @@ def _gdn_decode_recurrent_kernel(
         tl.store(state_ptr + dst * stride_s_slot + h * stride_s_head + s_off, S, mask=smask)
 
 
-DEFAULT_BLOCK_V = 8     # value columns per program when the norm runs as its own kernel
+# value columns per program when the norm runs as its own kernel. On one H200 (gpu_check at the 27B
+# shapes, benchmarks/results/gpu_check-NVIDIA-H200-20261204-*.txt), B=64 L=1 / B=16 L=4: block_v 8
+# 616-706 / 303-335 us, 16 314-389 / 238-326, 32 247-299 / 214-264, 64 248 / 236, the whole head
+# (fused norm) 349-415 / 322-404. 8 gave one warp per program and 16 programs per head
+DEFAULT_BLOCK_V = 32
 
 
 def gdn_decode_recurrent(mixed: torch.Tensor, proj: torch.Tensor, A_log: torch.Tensor,

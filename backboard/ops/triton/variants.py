@@ -22,7 +22,7 @@ CONTEXTS = (1, 100, 255, 1000, 8192, 65536, 262144)   # block-table widths 1, 16
 GEMV_ROWS = (1, 2, 16, 24, 32, 48, 64, 256)  # draft rows (and prefill chunks of the draft head)
 INT4_GROUPS = (32, 64, 128, 96)              # the quantizer's choices, and a non-power of two
 INT4_GROUPS_CI = (64, 96)                    # the default, and the non-power of two
-BLOCK_V_TUNING = (16, 32, "head")           # "head": dv (fused norm); gpu_check times these
+BLOCK_V_TUNING = (8, 16, 64, "head")   # besides the default (32); "head": dv (fused norm); gpu_check times these
 
 
 @dataclass(frozen=True)
