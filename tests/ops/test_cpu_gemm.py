@@ -78,8 +78,9 @@ def test_one_row_gemv_over_long_rows(mod, x_dtype):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
-    """M = 2 over a weight of 8M+ elements takes gemv_rows (the GEMV's order, each weight vector
-    for both rows): a strided x, a partial block of 8 channels, a K tail; int8 weights too."""
+    """M = 2 over a weight of 8M+ elements in short rows takes gemv_rows (the GEMV's order, each
+    weight vector for both rows) where it pays (bf16 x on bf16 weights with VDPBF16PS, int8 weights
+    on AVX2), the tiles elsewhere: a strided x, a partial block of 8 channels, a K tail."""
     N, K = (8 << 20) // 600 + 5, 600
     xs = torch.randn(2, K + 7).to(x_dtype)[:, :K]
     w, b = torch.randn(N, K).bfloat16(), torch.randn(N)

@@ -12,7 +12,7 @@
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
 //          reads its channels one after another instead (gemv: a single address-order stream),
-//          and so do two rows over a weight of 8M+ elements (gemv_rows).
+//          and so do two bf16 rows over a bf16 weight of 8M+ elements in short rows (gemv_rows).
 //   lanes  bf16 x with 16+ rows (12+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
 //          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
 //          at 32-64 rows)
@@ -48,7 +48,7 @@ namespace {
 
 // ---- register tiles ---------------------------------------------------------------------------
 // MB x NB for M >= 2 (accumulators + NB * NV weight vectors + one x vector fit the registers);
-// one row goes to gemv below, two rows over a large weight to gemv_rows
+// one row goes to gemv below, two bf16 rows over a large bf16 weight to gemv_rows
 #if defined(BB_SIMD_AVX512)
 constexpr int MB = 4, NB = 4;   // 16 + 8 + 1 of 32 registers
 #elif defined(BB_SIMD_AVX2)
@@ -199,7 +199,24 @@ void gemv(const F& f, const typename F::XT* x, int64_t N, int64_t K, const Out& 
 // channels side by side; A/B on a Zen 4 (bf16): LM head 248320 x 512 9.2 -> 5.1 ms (the GEMV at
 // one row: 4.0), 49152 x 576 1.72 -> 1.24 ms; on layer-sized weights (3 MB and less) no
 // difference, and at 3-4 rows this order lost to the tiles (LM head 4 rows 10.4 vs 7.5 ms).
+// Only for bf16 x on bf16 weights (VDPBF16PS) and short rows: A/B on a Zen 4 at two rows, gemv_rows
+// vs tiles, us: bf16 x 49152 x 576 1564 vs 1768, 248320 x 512 7996 vs 9700, but 8192 x 2048 762 vs
+// 442 and 2048 x 8192 978 vs 542; fp32 x lost on every shape (49152 x 576 1983 vs 1035), and int8
+// weights too (49152 x 576 1311 vs 1081, 248320 x 512 5237 vs 4028). The avx2 build (on the same
+// Zen 4): bf16 weights lost 25-44% to the tiles; int8 weights won by 5-11% at K <= 576 (AVX2's
+// 4 x 2 tile), lost 12% at K = 8192
 constexpr int64_t GEMV_ROWS_MIN_WEIGHTS = int64_t(8) << 20;    // elements
+constexpr int64_t GEMV_ROWS_MAX_K = 1024;
+
+template <class F, class = void>
+struct two_row_gemv : std::false_type {};           // formats opt in with TWO_ROW_GEMV
+template <class F>
+struct two_row_gemv<F, std::void_t<decltype(F::TWO_ROW_GEMV)>> : std::bool_constant<F::TWO_ROW_GEMV> {};
+
+template <class F>
+inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
+  return two_row_gemv<F>::value && M == 2 && K <= GEMV_ROWS_MAX_K && N * K >= GEMV_ROWS_MIN_WEIGHTS;
+}
 
 template <class F, int TM>
 inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, int64_t n, int64_t kv, VF* acc) {
@@ -271,7 +288,7 @@ template <class F>
 void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const Out& o) {
   if (M == 1) gemv(f, x, N, K, o);
-  else if (M == 2 && N * K >= GEMV_ROWS_MIN_WEIGHTS) gemv_rows<F, 2>(f, x, ldx, N, K, o);
+  else if (gemv_rows_pays<F>(M, N, K)) gemv_rows<F, 2>(f, x, ldx, N, K, o);
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 

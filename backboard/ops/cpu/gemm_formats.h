@@ -39,6 +39,9 @@ struct Bf16W {                       // bf16 weights, fp32 activations
 
 struct Int8W {                       // int8 weights, fp32 scale per output channel
   static constexpr int STEP = VW, NV = 1, XLANES = VW;
+#if defined(BB_SIMD_AVX2)
+  static constexpr bool TWO_ROW_GEMV = true;   // AVX2's 4 x 2 tiles lost to gemv_rows here (gemm.cpp)
+#endif
   using XT = float; using WV = VF; using XV = VF;
   const int8_t* q; int64_t ldq; const float* scale;
   void load(int64_t n, int64_t k, WV* o) const { o[0] = vload_i8(q + n * ldq + k); }
@@ -95,6 +98,7 @@ struct Int4W {
 #if defined(BB_ISA_AVX512_BF16)
 struct Bf16Dp {                      // bf16 weights, bf16 activations: VDPBF16PS
   static constexpr int STEP = 32, NV = 1, XLANES = 32;
+  static constexpr bool TWO_ROW_GEMV = true;   // gemm.cpp's gemv_rows pays for this format only
   using XT = uint16_t; using WV = __m512i; using XV = __m512i;
   const uint16_t* w; int64_t ldw;
   void load(int64_t n, int64_t k, WV* o) const {
