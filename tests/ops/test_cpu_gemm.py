@@ -89,6 +89,20 @@ def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
     _close_fp32(mod.linear_int8(xs, q, s, None, True, False), quant.int8_linear_ref(xs.float(), q, s))
 
 
+@pytest.mark.parametrize("M", (2, 3))
+def test_two_or_three_bf16_rows_over_an_lm_head_widened_to_fp32(mod, M):
+    """bf16 x of 2-3 rows over a large weight in short rows runs on the fp32 tiles on AVX512-BF16
+    (gemm.FP32_X_ROWS, measured faster there); the output keeps x's dtype and the exact products."""
+    N, K = (8 << 20) // 600 + 5, 600
+    x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16(), torch.randn(N)
+    assert gemm._widen_x_pays(mod, x, w) == (gemm._isa_running(mod) == "avx512_bf16")
+    assert not gemm._widen_x_pays(mod, x[:, :512], w[:64, :512])
+    y = gemm.linear_bf16(x, w, b, torch.float32, mod=mod)
+    assert y.dtype == torch.float32
+    _close_fp32(y, _ref_bf16(x, w) + b)
+    assert gemm.linear_bf16(x, w, mod=mod).dtype == torch.bfloat16
+
+
 def test_twelve_to_fifteen_rows_over_many_channels(mod):
     """bf16 x of 12-15 rows over 2048+ channels takes the lanes path padded to 16 rows on
     AVX512-BF16 (lanes_pays): the padding rows never reach the output."""
