@@ -50,6 +50,24 @@ TRAIN_TOPICS = [
     "social media", "electric cars", "the camera", "forests", "ants", "music theory", "soap",
     "the calendar", "cooking pasta", "marathons", "the telephone", "volcanic islands", "clouds",
     "salt", "the alphabet", "castles", "kangaroos", "the heart of a star", "wind energy",
+    # third set (2026-12-05): new topics, twice the text again (head v4 overfit its 473k answer tokens)
+    "the Byzantine Empire", "origami", "submarines", "tigers", "jellyfish", "the saxophone", "glass",
+    "the Aztecs", "fungi", "earthworms", "the Pacific Ocean", "skyscrapers", "paper", "the Mongol Empire",
+    "frogs", "the guitar", "the Inca Empire", "hot air balloons", "plastic", "tides", "snow", "the Milky Way",
+    "dreams", "the human skeleton", "bats", "comets", "the Himalayas", "the Great Barrier Reef", "cotton",
+    "wine making", "tennis", "basketball", "the Titanic", "the steam engine", "vitamins", "the lungs",
+    "the kidneys", "sound waves", "rainbows", "the ozone layer", "oil", "nuclear energy", "the Apollo program",
+    "ancient Greece", "the samurai", "the Maya civilization", "pirates", "knights", "libraries", "museums",
+    "board games", "video games", "architecture", "the Colosseum", "the Statue of Liberty", "Antarctica",
+    "the Andes", "lakes", "caves", "fossils", "evolution", "genetics", "bacteria", "viruses", "the human eye",
+    "memory", "emotions", "habits", "running", "cycling races", "opera", "ballet", "painting", "sculpture",
+    "film", "radio", "television", "newspapers", "the postal service", "money", "banks", "inflation", "taxes",
+    "maps", "compasses", "lighthouses", "ships", "highways", "cities", "farming", "potatoes", "tomatoes",
+    "oranges", "bananas", "sugar", "spices", "sushi", "pizza", "horses", "dogs", "cats", "parrots",
+    "crocodiles", "snakes", "turtles", "eagles", "the cheetah", "gorillas", "pandas", "zebras", "time zones",
+    "clocks", "the speed of light", "rockets", "satellites", "the International Space Station", "Jupiter",
+    "Saturn's rings", "eclipses", "meteor showers", "weather forecasting", "fog", "bamboo", "sunflowers",
+    "oak trees", "mushrooms",
 ]
 DEV_TOPICS = ["octopuses", "the pyramids", "magnets", "apples"]       # offline held-out statistics
 HELD_OUT_TOPICS = ["the Olympic Games", "rivers", "penguins", "the telescope", "bread", "the Renaissance",
@@ -109,24 +127,31 @@ class TokenCorpus:
                    np.concatenate([p.starts + o for p, o in zip(parts, offs)]))
 
 
-def _cache_key(model: str, asks: list[str], max_tokens: int, sample_every: int, seed: int) -> str:
-    blob = json.dumps([os.path.basename(os.path.normpath(model)), asks, max_tokens, sample_every, seed])
+def _cache_key(model: str, asks: list[str], **gen) -> str:
+    blob = json.dumps([os.path.basename(os.path.normpath(model)), asks, sorted(gen.items())])
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _shard_path(folder: str, model: str, asks: list[str], s0: int, **gen) -> str:
+    """A shard's file, named by its own prompts, their first index (the seeds and temperatures
+    follow it) and the generation settings: a longer or shorter prompt list reuses every shard it
+    shares with one written before."""
+    return os.path.join(folder, f"shard-{_cache_key(model, asks, s0=s0, **gen)}.npz")
 
 
 def chat_corpus(model: str, asks: list[str], cache_dir: str, *, max_tokens: int = 256, sample_every: int = 3,
                 seed: int = 0, max_num_seqs: int = 128, shard: int = 256, log=print) -> TokenCorpus:
     """The target's answers to `asks` (chat template applied; greedy, and every sample_every-th at
-    T = 0.7), written in shards of `shard` prompts under cache_dir/<key>/ and read back from there
-    when present (an interrupted run resumes at the first missing shard)."""
+    T = 0.7), written in shards of `shard` prompts under cache_dir (_shard_path) and read back from
+    there when present (an interrupted run resumes at the first missing shard)."""
     from backboard.engine.llm import LLM
     from backboard.sampling_params import SamplingParams
 
-    folder = os.path.join(cache_dir, _cache_key(model, asks, max_tokens, sample_every, seed))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(cache_dir, exist_ok=True)
     parts, llm = [], None
     for s0 in range(0, len(asks), shard):
-        path = os.path.join(folder, f"shard-{s0 // shard:04d}.npz")
+        path = _shard_path(cache_dir, model, asks[s0:s0 + shard], s0, max_tokens=max_tokens,
+                           sample_every=sample_every, seed=seed)
         if not os.path.isfile(path):
             if llm is None:
                 llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=max_tokens + 256, seed=seed)

@@ -81,3 +81,38 @@ def test_loss_counts_only_weighted_positions(setup):
     full, _ = head_loss(head, target, seqs, h, top_lp, top_ids)
     torch.testing.assert_close(head_loss(head, target, seqs, h, top_lp, top_ids, weight=torch.ones_like(weight))[0],
                                full)
+
+
+def test_corpus_shards_are_reused_by_a_longer_or_cut_prompt_list(hybrid_model, tmp_path, monkeypatch):
+    """The corpus is cached per shard, named by the shard's own prompts: a cut list reads its
+    shards back and a longer one writes only the shards it adds (generation is most of the cost);
+    the answers are the model's (greedy answers equal to a fresh generate)."""
+    from backboard import SamplingParams
+    from backboard.engine import llm as llm_mod
+    from backboard.spec_decode.corpus import chat_asks, chat_corpus, chat_prompt_ids
+
+    asks = chat_asks(["bees", "chess", "tea"], ["Why is {} important?", "Write a haiku about {}."])
+    made = []
+    real = llm_mod.LLM
+
+    def counting(*a, **kw):
+        made.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm_mod, "LLM", counting)
+    gen = dict(max_tokens=8, shard=2, max_num_seqs=4, log=lambda *a: None)
+    first = chat_corpus(hybrid_model, asks[:4], str(tmp_path), **gen)
+    assert len(made) == 1 and len(list(tmp_path.glob("shard-*.npz"))) == 2
+    cut = chat_corpus(hybrid_model, asks[:2], str(tmp_path), **gen)
+    assert len(made) == 1 and np.array_equal(cut.ids, first.ids[:len(cut)])
+    longer = chat_corpus(hybrid_model, asks, str(tmp_path), **gen)
+    assert len(made) == 2 and len(list(tmp_path.glob("shard-*.npz"))) == 3
+    assert np.array_equal(longer.ids[:len(first)], first.ids)
+    # shard 0 holds asks 0 (T = 0.7, seed 0) and 1 (greedy): the greedy answer is the model's
+    llm = real(hybrid_model, max_num_seqs=4, max_model_len=264)
+    p = chat_prompt_ids(llm.get_tokenizer().hf, asks[1:2])[0]
+    ans = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    s1 = int(first.starts[1])
+    assert first.ids[s1:s1 + len(p)].tolist() == p
+    assert first.ids[s1 + len(p):s1 + len(p) + len(ans.token_ids)].tolist() == list(ans.token_ids)
+    assert first.answer[s1 + len(p):s1 + len(p) + len(ans.token_ids)].all() and not first.answer[s1:s1 + len(p)].any()
