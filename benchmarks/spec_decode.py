@@ -99,7 +99,7 @@ def train_real_draft(model: str, draft: str, minutes: float, num_prompts: int | 
     print(f"training a draft head for {minutes} min on {len(train)} tokens ({int(train.answer.sum())} answer tokens) "
           f"of the model's own answers ({time.perf_counter() - t0:.0f} s to write or read) ...", flush=True)
     print("  ", train_draft_head(model, train, draft, minutes=minutes, held_text=held, loss_vocab_top=8,
-                                 log=lambda *a: None), flush=True)
+                                 qat_frac=0.2, log=lambda *a: None), flush=True)
 
 
 def real_text(args) -> None:

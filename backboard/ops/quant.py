@@ -84,6 +84,18 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128,
     return packed.contiguous(), scales
 
 
+def fake_quant_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [N, K] float -> the fp32 values quantize_int4 + dequantize_int4 give (fp32 scales), with
+    the gradient passed straight through to w (quantization-aware training of the draft head)."""
+    N, K = w.shape
+    _check_group(K, group_size, "fake_quant_int4")
+    wg = w.float().reshape(N, K // group_size, group_size)
+    s = wg.detach().abs().amax(dim=-1, keepdim=True) / 7.0
+    q = torch.round(wg.detach() / torch.where(s > 0, s, torch.ones_like(s))).clamp_(-8, 7)
+    wq = (q * s).reshape(N, K)
+    return w.float() + (wq - w.float()).detach()
+
+
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """packed uint8 [N, K // 2], scales [N, K // group_size] -> w [N, K] in dtype."""

@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight of EAGLE's feature regression beside the token loss")
     t.add_argument("--loss-vocab-top", type=int, default=8, metavar="K",
                    help="normalise the loss over the text's tokens and the teacher's top K only (faster)")
+    t.add_argument("--qat-frac", type=float, default=0.2,
+                   help="share of the budget, at its end, trained through the int4 values (quantization-aware)")
     t.add_argument("--teacher-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the target's pass that writes the distillation targets (bfloat16: the "
                         "serving numerics, several times faster on CPUs with native bf16)")
@@ -68,7 +70,7 @@ def run_train(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                          group_size=args.group_size, init=args.init, seed=args.seed, chain_frac=args.chain_frac,
                          loss_vocab_top=args.loss_vocab_top, feat_weight=args.feat_weight,
-                         teacher_dtype=args.teacher_dtype)
+                         teacher_dtype=args.teacher_dtype, qat_frac=args.qat_frac)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

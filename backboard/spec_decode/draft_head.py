@@ -65,6 +65,30 @@ def quantize_head(head: MTPHead, group_size: int = 64) -> dict[str, int]:
     return groups
 
 
+class _FakeQuantInt4(nn.Module):
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.group_size = group_size
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        from backboard.ops.quant import fake_quant_int4
+
+        return fake_quant_int4(w, self.group_size)
+
+
+def fake_quantize_head(head: MTPHead, group_size: int = 64, on: bool = True) -> None:
+    """Quantization-aware training: every linear layer's weight reads as its int4 values (the
+    ones quantize_head will store, same group sizes) with straight-through gradients to the float
+    weights (on=True); on=False takes that off again, keeping the float weights."""
+    from torch.nn.utils import parametrize
+
+    for _, lin in _linears(head):
+        if on and not parametrize.is_parametrized(lin, "weight"):
+            parametrize.register_parametrization(lin, "weight", _FakeQuantInt4(_group_for(lin.in_features, group_size)))
+        elif not on and parametrize.is_parametrized(lin, "weight"):
+            parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+
+
 def save_draft_head(out_dir: str, head: MTPHead, groups: dict[str, int], cfg: ModelConfig,
                     lm_head_weight: torch.Tensor | None, source: str, stats: dict | None = None) -> None:
     from safetensors.torch import save_file

@@ -26,7 +26,13 @@ from backboard.forward_context import set_forward_context
 from backboard.models.loader import Checkpoint, load_model, load_weights
 from backboard.models.mtp import MTPHead
 from backboard.spec_decode.corpus import TokenCorpus
-from backboard.spec_decode.draft_head import quantize_head, read_draft_head, save_draft_head, widen_head
+from backboard.spec_decode.draft_head import (
+    fake_quantize_head,
+    quantize_head,
+    read_draft_head,
+    save_draft_head,
+    widen_head,
+)
 from backboard.worker.input_batch import BatchRequest, prepare_batch
 from backboard.worker.memory import allocate_caches
 
@@ -285,7 +291,7 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
                      group_size: int = 64, init: str = "mtp", seed: int = 0, max_windows: int | None = None,
                      held_text: "str | TokenCorpus | None" = None, held_windows: int = 16, chain_frac: float = 0.5,
                      chain_depth: int = 2, loss_vocab_top: int = 0, feat_weight: float = 0.0, warmup: int = 20,
-                     teacher_dtype: str = "float32", log=print) -> dict:
+                     teacher_dtype: str = "float32", qat_frac: float = 0.0, log=print) -> dict:
     """Train, quantize, save; returns statistics (steps, tokens, loss, top-1 agreement of the
     float and the int4 head with the teacher on the answer tokens of held-out text: held_text
     when given, which should come from other prompts; else the last tenth of text). text: plain
@@ -294,7 +300,9 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
     on batch_size windows of seq_len tokens, epochs in a fresh random order. chain_frac of the
     positions train the chained drafts (chained_hidden). loss_vocab_top > 0: the loss normalises
     over LossVocab (the text's tokens and the teacher's top loss_vocab_top alternatives).
-    feat_weight > 0: EAGLE's feature regression beside the token loss (head_loss)."""
+    feat_weight > 0: EAGLE's feature regression beside the token loss (head_loss). qat_frac > 0:
+    the last qat_frac of the budget trains through the int4 values (fake_quantize_head), so the
+    saved 4-bit head is the one that was trained."""
     torch.manual_seed(seed)
     cfg = ModelConfig.from_pretrained(model, dtype="float32")
     head = init_head(cfg, init, seed)   # first: a bad --init folder stops before the teacher's pass
@@ -328,6 +336,8 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
         idx, order = order[:batch_size], order[batch_size:]
         seqs_b, h, top_lp, top_ids, w = cache.batch(idx)
         frac = step / total if steps is not None else (time.time() - t0) / (minutes * 60)
+        if qat_frac > 0 and frac >= 1.0 - qat_frac:
+            fake_quantize_head(head, group_size)
         for g in opt.param_groups:
             g["lr"] = _lr_at(lr, frac, step, warmup)
         h_in = chained_hidden(head, target, seqs_b, h, chain_frac, chain_depth, gen)
@@ -345,6 +355,7 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
             log(f"step {step}: held-out answer agreement {agree_held:.3f}")
             head.train()
     head.eval()
+    fake_quantize_head(head, group_size, on=False)
     agree_fp = heldout_agreement(head, target, held_cache, batch_size)
     groups = quantize_head(head, group_size)
     agree_q = heldout_agreement(head, target, held_cache, batch_size)
@@ -354,7 +365,7 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
              "heldout_top1_agreement_int4_chained": agree_chain, "heldout_answer_tokens": int(held_cache.weight.sum()),
              "tokens": int(len(train)), "answer_tokens": int(train.answer.sum()),
              "trained_positions": step * batch_size * (seq_len - 1),
-             "loss_vocab": len(vocab.ids) if vocab is not None else None}
+             "loss_vocab": len(vocab.ids) if vocab is not None else None, "qat_frac": qat_frac}
     save_draft_head(out_dir, head, groups, cfg, target.lm_head.weight.float(), source="train", stats=stats)
     log(f"saved the int4 draft head to {out_dir}: {stats}")
     return stats

@@ -33,6 +33,21 @@ def test_int4_round_trip_error(group):
     torch.testing.assert_close(again, quant.dequantize_int4(packed, scales, group))
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_fake_quant_int4_is_the_stored_values_with_straight_through_gradient(group):
+    """Quantization-aware training reads exactly the values the saved int4 head will hold (a zero
+    group included) and passes the gradient to the float weights unchanged."""
+    w = torch.randn(6, 128)
+    w[2, :group] = 0
+    w.requires_grad_(True)
+    wq = quant.fake_quant_int4(w, group)
+    assert torch.equal(wq.detach(), quant.dequantize_int4(*quant.quantize_int4(w.detach(), group), group))
+    assert not torch.equal(wq.detach(), w.detach())
+    g = torch.randn_like(w)
+    wq.backward(g)
+    assert torch.equal(w.grad, g)
+
+
 def test_int8_round_trip_and_zero_rows():
     w = torch.randn(10, 64)
     w[3] = 0

@@ -141,3 +141,34 @@ def test_training_continues_from_a_saved_head(trained_draft_head, soft_model, tm
     assert qnames and all((old[k] == new[k]).all() for k in qnames)
     with pytest.raises(ConfigError, match="no config.json"):
         train_draft_head(soft_model, text, str(tmp_path / "x"), steps=0, init=str(tmp_path), log=lambda *a: None)
+
+
+def test_quantization_aware_training_saves_the_head_it_trained(soft_model, tmp_path):
+    """With qat_frac the last part of training runs through the int4 values: the head keeps its
+    float weights underneath (the optimizer's parameters) and the saved 4-bit head computes what
+    the fake-quantized head computed, so its held-out agreement is the fake-quantized one's."""
+    import torch
+
+    from backboard.config import ModelConfig
+    from backboard.spec_decode.draft_head import fake_quantize_head, quantize_head
+    from backboard.spec_decode.train import init_head, train_draft_head
+
+    head = init_head(ModelConfig.from_pretrained(soft_model, dtype="float32"), "random", 0)
+    params = list(head.parameters())
+    fake_quantize_head(head, 32)
+    assert {id(p) for p in head.parameters()} == {id(p) for p in params}     # the optimizer's, still
+    lin = head.fc
+    before = lin.weight.detach().clone()
+    fake_quantize_head(head, 32, on=False)
+    assert not torch.equal(before, lin.weight) and any(lin.weight is p for p in params)
+    fake_quantize_head(head, 32)
+    x = torch.randn(3, lin.in_features)
+    y_fake = lin(x).detach()
+    fake_quantize_head(head, 32, on=False)
+    quantize_head(head, 32)
+    torch.testing.assert_close(head.fc(x), y_fake, rtol=1e-4, atol=1e-4)
+
+    text = " ".join(["alpha beta gamma delta"] * 300)
+    stats = train_draft_head(soft_model, text, str(tmp_path), steps=6, seq_len=64, batch_size=2, lr=1e-2,
+                             max_windows=4, group_size=32, qat_frac=1.0, log=lambda *a: None)
+    assert stats["qat_frac"] == 1.0 and stats["steps"] == 6
