@@ -89,13 +89,35 @@ def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
     _close_fp32(mod.linear_int8(xs, q, s, None, True, False), quant.int8_linear_ref(xs.float(), q, s))
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtype):
+    """With gemv_rows set wide (gemm.GEMV_ROWS_WIDE, taken on Zen 5; set here on every level),
+    2, 3 and 4 rows over layer-sized weights up to K = 2048 go through gemv_rows (its 3- and 4-row
+    forms), exact against the reference: a strided x, a partial block of 8 channels, a K tail;
+    the setting refuses more than 4 rows."""
+    try:
+        mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
+        for M, N, K in ((2, 61, 600), (3, 1537, 576), (4, 203, 2047), (4, 77, 2048)):
+            xs = torch.randn(M, K + 7).to(x_dtype)[:, :K]
+            w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+            _close_fp32(mod.linear_bf16(xs, w, b, True, False), _ref_bf16(xs, w) + b)
+            q, s = quant.quantize_int8(torch.randn(N, K))
+            _close_fp32(mod.linear_int8(xs, q, s, None, True, False), quant.int8_linear_ref(xs.float(), q, s))
+        with pytest.raises(ValueError, match="max_m"):
+            mod.set_gemv_rows(5, 0, 2048)
+    finally:
+        mod.set_gemv_rows(*(gemm.GEMV_ROWS_WIDE if gemm.gemv_rows_wide(mod) else (2, 8 << 20, 1024)))
+
+
 @pytest.mark.parametrize("M", (2, 3))
 def test_two_or_three_bf16_rows_over_an_lm_head_widened_to_fp32(mod, M):
     """bf16 x of 2-3 rows over a large weight in short rows runs on the fp32 tiles on AVX512-BF16
-    (gemm.FP32_X_ROWS, measured faster there); the output keeps x's dtype and the exact products."""
+    (gemm.FP32_X_ROWS, measured faster there) but for Zen 5 (gemm.GEMV_ROWS_WIDE: gemv_rows is
+    faster there); the output keeps x's dtype and the exact products."""
     N, K = (8 << 20) // 600 + 5, 600
     x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16(), torch.randn(N)
-    assert gemm._widen_x_pays(mod, x, w) == (gemm._isa_running(mod) == "avx512_bf16")
+    widened = gemm._isa_running(mod) == "avx512_bf16" and not gemm.gemv_rows_wide(mod)
+    assert gemm._widen_x_pays(mod, x, w) == widened
     assert not gemm._widen_x_pays(mod, x[:, :512], w[:64, :512])
     y = gemm.linear_bf16(x, w, b, torch.float32, mod=mod)
     assert y.dtype == torch.float32

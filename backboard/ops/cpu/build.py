@@ -76,6 +76,25 @@ def cpu_model() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_family() -> tuple[str, int]:
+    """(vendor, family) from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for Zen 5; ("", -1) unknown."""
+    vendor, family = "", -1
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                key, _, val = ln.partition(":")
+                if key.strip() == "vendor_id" and not vendor:
+                    vendor = val.strip()
+                elif key.strip() == "cpu family" and family < 0:
+                    family = int(val.strip())
+                if vendor and family >= 0:
+                    break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
+@functools.lru_cache(maxsize=1)
 def supported_isas() -> tuple[str, ...]:
     """Every level this CPU runs, best first ("portable" always last)."""
     flags = cpu_flags()

@@ -29,6 +29,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -213,9 +214,21 @@ struct two_row_gemv : std::false_type {};           // formats opt in with TWO_R
 template <class F>
 struct two_row_gemv<F, std::void_t<decltype(F::TWO_ROW_GEMV)>> : std::bool_constant<F::TWO_ROW_GEMV> {};
 
+// Where the address order pays more widely, Python sets these at load (gemm.GEMV_ROWS_WIDE: on a
+// Zen 5, 2 to 4 rows over every short-row weight; the tiles streamed a decode step's weights at
+// 29-31 GB/s there, this order at 39-42, one row's GEMV at 44)
+struct GemvRows {
+  int64_t max_m = 2, min_weights = GEMV_ROWS_MIN_WEIGHTS, max_k = GEMV_ROWS_MAX_K;
+};
+inline GemvRows& gemv_rows_setting() {
+  static GemvRows s;
+  return s;
+}
+
 template <class F>
 inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
-  return two_row_gemv<F>::value && M == 2 && K <= GEMV_ROWS_MAX_K && N * K >= GEMV_ROWS_MIN_WEIGHTS;
+  const GemvRows& s = gemv_rows_setting();
+  return two_row_gemv<F>::value && M >= 2 && M <= s.max_m && K <= s.max_k && N * K >= s.min_weights;
 }
 
 template <class F, int TM>
@@ -288,7 +301,11 @@ template <class F>
 void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const Out& o) {
   if (M == 1) gemv(f, x, N, K, o);
-  else if (gemv_rows_pays<F>(M, N, K)) gemv_rows<F, 2>(f, x, ldx, N, K, o);
+  else if (gemv_rows_pays<F>(M, N, K)) {
+    if (M == 2) gemv_rows<F, 2>(f, x, ldx, N, K, o);
+    else if (M == 3) gemv_rows<F, 3>(f, x, ldx, N, K, o);
+    else gemv_rows<F, 4>(f, x, ldx, N, K, o);
+  }
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
@@ -539,6 +556,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_bf16", &bb::sum_bf16, "sum of a bf16 tensor (a streaming read: the bandwidth probe)",
         nogil);
   m.def("isa", &bb::isa);
+  m.def("set_gemv_rows", [](int64_t max_m, int64_t min_weights, int64_t max_k) {
+    if (max_m < 2 || max_m > 4) throw std::invalid_argument("set_gemv_rows: max_m must be 2, 3 or 4");
+    bb::gemv_rows_setting() = {max_m, min_weights, max_k};
+  }, "rows (2..max_m), weight elements and K for which gemv_rows takes the rows path's tiles' place",
+        "max_m"_a, "min_weights"_a, "max_k"_a);
   m.attr("VW") = bb::VW;
   m.attr("INT4_STEP") = 2 * bb::VW;
   m.attr("MB") = bb::MB;

@@ -28,12 +28,13 @@ M = 128 and trail the panel path by ~10% at 256).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 import torch.nn.functional as F
 
-from backboard.ops.cpu.build import cpu_isa, load_kernels
+from backboard.ops.cpu.build import cpu_family, cpu_isa, load_kernels
 
 FAMILY, SOURCES = "gemm", ("gemm.cpp",)
 X_DTYPES = (torch.float32, torch.bfloat16)
@@ -47,7 +48,31 @@ POLICY = {"amx_bf16": (64, 48, "native"), "avx512_bf16": (64, 48, "native"), "av
 def module(isa: str | None = None):
     """The compiled kernels for `isa` (default: the best level this CPU runs); None when they
     cannot be built (logged once by build.load_kernels)."""
-    return load_kernels(FAMILY, SOURCES, isa or cpu_isa())
+    mod = load_kernels(FAMILY, SOURCES, isa or cpu_isa())
+    if mod is not None and id(mod) not in _SET_UP:
+        _SET_UP.add(id(mod))
+        if gemv_rows_wide(mod):
+            mod.set_gemv_rows(*GEMV_ROWS_WIDE)
+    return mod
+
+
+_SET_UP: set[int] = set()
+
+# gemm.cpp's gemv_rows (one weight stream in address order feeding every row) in place of the
+# register tiles for 2 to 4 bf16 rows over every bf16 weight with K <= 2048 (max rows, min weight
+# elements, max K), on AMD family 26 (Zen 5), where the tiles' side-by-side reads stream slower. A
+# decode step's bf16 linears of SmolLM2 (30 layers + LM head, 116 MB, cold) on 2 Zen 5 cores,
+# ms, tiles vs this: 2 rows 8.7-9.4 vs 6.8, 3 rows 8.9-9.7 vs 6.6-6.9, 4 rows 7.7-9.2 vs 6.4-6.6
+# (one row's GEMV 6.1; K <= 1024 only: 7.1-7.6). Elsewhere gemv_rows stays at 2 rows over LM
+# head-sized weights: on a Zen 4 the tiles won at 3-4 rows over an LM head (10.4 vs 7.5 ms) and
+# at K 2048+ (8192 x 2048, 2 rows: 762 vs 442 us).
+GEMV_ROWS_WIDE = (4, 0, 2048)
+
+
+@functools.lru_cache(maxsize=8)
+def gemv_rows_wide(mod) -> bool:
+    """Whether this CPU takes GEMV_ROWS_WIDE (measured on Zen 5's avx512_bf16 build only)."""
+    return _isa_running(mod) == "avx512_bf16" and cpu_family() == ("AuthenticAMD", 26)
 
 
 # The draft head's INT8 LM head against the target's bf16 one: int8 halves the bytes, but widening
@@ -115,8 +140,10 @@ FP32_X_MIN_WEIGHTS, FP32_X_MAX_K = 8 << 20, 1024
 
 
 def _widen_x_pays(mod, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """(Not where GEMV_ROWS_WIDE is set: there bf16 x of 2-3 rows over SmolLM2's 49152 x 576 took
+    1.11 ms in gemv_rows, widened to fp32 1.54-1.58, on a Zen 5.)"""
     N, K = w.shape
-    rows = FP32_X_ROWS.get(_isa_running(mod), ())
+    rows = () if gemv_rows_wide(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
     return x.dtype == torch.bfloat16 and x.shape[0] in rows and K <= FP32_X_MAX_K and N * K >= FP32_X_MIN_WEIGHTS
 
 
