@@ -117,8 +117,10 @@ def real_text(args) -> None:
     print(f"target {model}; draft {draft if heads else '-'}\nheld-out prompts: {len(held)} (chat template), "
           f"{args.output_len} output tokens")
     print(f"mean acceptance length (tokens per verify step, drafts accepted + 1), fixed k, C = {len(reqs)}:")
-    for temp in (0.0, 0.7):
-        sp = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
+    # ignore_eos keeps every request at output_len tokens, so answers that end sooner (13 of the 48
+    # at 64 tokens) go on past their EOS, text no chat serves; the last row lets them end there
+    for temp, ignore_eos in ((0.0, True), (0.7, True), (0.0, False)):
+        sp = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=ignore_eos, seed=0)
         for method in args.methods:
             row = []
             for k in (1, 2, 3, 4):
@@ -126,8 +128,8 @@ def real_text(args) -> None:
                 if method == "draft_head":
                     spec["draft_model"] = draft
                 row.append(measure(model, spec, reqs, sp, len(reqs))["accept"] or 0.0)
-            print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row)),
-                  flush=True)
+            print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row))
+                  + ("" if ignore_eos else "   (answers end at their EOS)"), flush=True)
     print(f"decode speed (greedy), floor = no speculation; 10 C requests (InferenceX's count, at least 16) of the "
           f"held-out prompts per run, output lengths uniform in [{args.range_ratio} L, L] (InferenceX's rule), "
           f"{args.repeats} pairs each (the order in a pair alternates):")
@@ -137,7 +139,7 @@ def real_text(args) -> None:
               ] if "ngram" in args.methods else []
     specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
                                            "adaptive": False}) for k in args.fixed_k if heads]
-    for C in map(int, args.concurrency.split(",")):
+    for C in [int(c) for c in args.concurrency.split(",") if c]:     # --concurrency "": acceptance only
         n = max(10 * C, 16)
         speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C, args.repeats)
 
@@ -183,7 +185,7 @@ def synthetic(args) -> None:
     print(f"target {model}; draft {draft}; greedy, {args.output_len} output tokens; floor = no speculation")
     print(f"{'C':>3} {'configuration':<28} {'out tok/s':>10} {'x floor':>8} {'TPOT ms':>9} "
           f"{'x floor':>8} {'accept len':>10} {'last k':>6}  same")
-    for C in map(int, args.concurrency.split(",")):
+    for C in [int(c) for c in args.concurrency.split(",") if c]:     # --concurrency "": acceptance only
         prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(16, 64, max(2 * C, 8))]
         base = None
         for name, spec in configs:
