@@ -40,8 +40,14 @@ class StepTrace:
         self.core, self.C = llm.engine, C
         self.rows: list[tuple[str, float, int]] = []
         self._last: tuple[float, str, int] | None = None
-        inner = self.core.step
-        self.core.step = lambda: self._step(inner)
+        self._kind_now: str | None = None
+        schedule, step = self.core.scheduler.schedule, self.core.step
+        self.core.scheduler.schedule = lambda: self._scheduled(schedule())
+        self.core.step = lambda: self._step(step)
+
+    def _scheduled(self, so):
+        self._kind_now = self._kind(so) if so.total_num_scheduled_tokens else None
+        return so
 
     def _kind(self, so) -> str:
         n = len(so.num_scheduled_tokens)
@@ -52,24 +58,13 @@ class StepTrace:
         return f"decode k{max((len(d) for d in so.spec_decode_tokens.values()), default=0)}"
 
     def _step(self, inner):
-        sched = self.core.scheduler
         t = time.perf_counter()
         if self._last is not None:
             self.rows.append((self._last[1], t - self._last[0], self._last[2]))
-        kind = {"v": None}
-        orig = sched.schedule
-
-        def schedule():
-            so = orig()
-            kind["v"] = self._kind(so) if so.total_num_scheduled_tokens else None
-            return so
-
-        sched.schedule = schedule
-        try:
-            outs = inner()
-        finally:
-            sched.schedule = orig
-        self._last = (t, kind["v"], sum(len(o.new_token_ids) for o in outs)) if kind["v"] else None
+        self._kind_now = None
+        outs = inner()
+        kind = self._kind_now
+        self._last = (t, kind, sum(len(o.new_token_ids) for o in outs)) if kind else None
         return outs
 
     def split(self) -> dict[str, tuple[int, float, int]]:

@@ -87,13 +87,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128,
 def fake_quant_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """w [N, K] float -> the fp32 values quantize_int4 + dequantize_int4 give (fp32 scales), with
     the gradient passed straight through to w (quantization-aware training of the draft head)."""
-    N, K = w.shape
-    _check_group(K, group_size, "fake_quant_int4")
-    wg = w.float().reshape(N, K // group_size, group_size)
-    s = wg.detach().abs().amax(dim=-1, keepdim=True) / 7.0
-    q = torch.round(wg.detach() / torch.where(s > 0, s, torch.ones_like(s))).clamp_(-8, 7)
-    wq = (q * s).reshape(N, K)
-    return w.float() + (wq - w.float()).detach()
+    wf = w.float()
+    wq = dequantize_int4(*quantize_int4(wf.detach(), group_size), group_size)
+    return wf + (wq - wf).detach()
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,

@@ -95,8 +95,11 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
     2, 3 and 4 rows over layer-sized weights up to K = 2048 go through gemv_rows (its 3- and 4-row
     forms), exact against the reference: a strided x, a partial block of 8 channels, a K tail;
     the setting refuses more than 4 rows."""
+    kept = mod.gemv_rows()
+    assert kept == (gemm.GEMV_ROWS_WIDE if gemm.gemv_rows_wide(mod) else (2, 8 << 20, 1024))
     try:
         mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
+        assert mod.gemv_rows() == gemm.GEMV_ROWS_WIDE
         for M, N, K in ((2, 61, 600), (3, 1537, 576), (4, 203, 2047), (4, 77, 2048)):
             xs = torch.randn(M, K + 7).to(x_dtype)[:, :K]
             w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
@@ -106,7 +109,7 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
         with pytest.raises(ValueError, match="max_m"):
             mod.set_gemv_rows(5, 0, 2048)
     finally:
-        mod.set_gemv_rows(*(gemm.GEMV_ROWS_WIDE if gemm.gemv_rows_wide(mod) else (2, 8 << 20, 1024)))
+        mod.set_gemv_rows(*kept)
 
 
 @pytest.mark.parametrize("M", (2, 3))

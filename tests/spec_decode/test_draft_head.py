@@ -143,7 +143,7 @@ def test_training_continues_from_a_saved_head(trained_draft_head, soft_model, tm
         train_draft_head(soft_model, text, str(tmp_path / "x"), steps=0, init=str(tmp_path), log=lambda *a: None)
 
 
-def test_quantization_aware_training_saves_the_head_it_trained(soft_model, tmp_path):
+def test_quantization_aware_training_saves_the_head_it_trained(soft_model, tmp_path, monkeypatch):
     """With qat_frac the last part of training runs through the int4 values: the head keeps its
     float weights underneath (the optimizer's parameters) and the saved 4-bit head computes what
     the fake-quantized head computed, so its held-out agreement is the fake-quantized one's."""
@@ -168,7 +168,14 @@ def test_quantization_aware_training_saves_the_head_it_trained(soft_model, tmp_p
     quantize_head(head, 32)
     torch.testing.assert_close(head.fc(x), y_fake, rtol=1e-4, atol=1e-4)
 
+    from backboard.spec_decode import train as train_mod
+
+    calls = []
+    real = train_mod.fake_quantize_head
+    monkeypatch.setattr(train_mod, "fake_quantize_head",
+                        lambda h, g, on=True: (calls.append((on, g)), real(h, g, on))[1])
     text = " ".join(["alpha beta gamma delta"] * 300)
     stats = train_draft_head(soft_model, text, str(tmp_path), steps=6, seq_len=64, batch_size=2, lr=1e-2,
-                             max_windows=4, group_size=32, qat_frac=1.0, log=lambda *a: None)
-    assert stats["qat_frac"] == 1.0 and stats["steps"] == 6
+                             max_windows=4, group_size=32, qat_frac=0.5, log=lambda *a: None)
+    assert stats["qat_frac"] == 0.5 and stats["steps"] == 6
+    assert calls == [(True, 32)] * 3 + [(False, 32)]       # steps 3-5 of 6 train through int4, then off

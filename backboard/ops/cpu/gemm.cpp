@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <tuple>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -561,6 +562,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     bb::gemv_rows_setting() = {max_m, min_weights, max_k};
   }, "rows (2..max_m), weight elements and K for which gemv_rows takes the rows path's tiles' place",
         "max_m"_a, "min_weights"_a, "max_k"_a);
+  m.def("gemv_rows", [] {
+    const bb::GemvRows& s = bb::gemv_rows_setting();
+    return std::make_tuple(s.max_m, s.min_weights, s.max_k);
+  }, "the setting set_gemv_rows takes: (max_m, min_weights, max_k)");
   m.attr("VW") = bb::VW;
   m.attr("INT4_STEP") = 2 * bb::VW;
   m.attr("MB") = bb::MB;

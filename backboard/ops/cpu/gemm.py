@@ -48,15 +48,16 @@ POLICY = {"amx_bf16": (64, 48, "native"), "avx512_bf16": (64, 48, "native"), "av
 def module(isa: str | None = None):
     """The compiled kernels for `isa` (default: the best level this CPU runs); None when they
     cannot be built (logged once by build.load_kernels)."""
-    mod = load_kernels(FAMILY, SOURCES, isa or cpu_isa())
-    if mod is not None and id(mod) not in _SET_UP:
-        _SET_UP.add(id(mod))
-        if gemv_rows_wide(mod):
-            mod.set_gemv_rows(*GEMV_ROWS_WIDE)
+    return _loaded(isa or cpu_isa())
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(isa: str):
+    """The kernels of one level, set up once for this CPU (GEMV_ROWS_WIDE where it pays)."""
+    mod = load_kernels(FAMILY, SOURCES, isa)
+    if mod is not None and gemv_rows_wide(mod):
+        mod.set_gemv_rows(*GEMV_ROWS_WIDE)
     return mod
-
-
-_SET_UP: set[int] = set()
 
 # gemm.cpp's gemv_rows (one weight stream in address order feeding every row) in place of the
 # register tiles for 2 to 4 bf16 rows over every bf16 weight with K <= 2048 (max rows, min weight
