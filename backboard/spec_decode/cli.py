@@ -1,9 +1,22 @@
-"""`backboard draft train | quantize`."""
+"""`backboard draft train | quantize | vocab`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+VOCAB_HELP = ("the tokens the INT8 LM head drafts over: auto (the fewest of the training answers' most frequent "
+              "tokens that cover 99.9%% of them, a multiple of 1024), full (the whole vocabulary) or N (the N "
+              "most frequent). Drafts stay checked over the whole vocabulary: lossless either way")
+
+
+def _draft_vocab(spec: str) -> "str | int":
+    from backboard.spec_decode.draft_vocab import parse_draft_vocab
+
+    try:
+        return parse_draft_vocab(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--init", default="mtp", metavar="mtp|random|DIR",
                    help="start from the checkpoint's MTP head when it has one (mtp), from random weights, "
                         "or from a draft head folder saved for this model (training goes on from it)")
+    t.add_argument("--draft-vocab", default="auto", metavar="auto|full|N", type=_draft_vocab, help=VOCAB_HELP)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=run_train)
     q = dsub.add_parser("quantize", help="the checkpoint's own MTP head as a 4-bit draft head")
@@ -47,6 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--out", required=True)
     q.add_argument("--group-size", type=int, default=64)
     q.set_defaults(func=run_quantize)
+    v = dsub.add_parser("vocab", help="give a saved draft head's INT8 LM head a draft vocabulary (the chat "
+                                      "corpus's most frequent answer tokens)")
+    v.add_argument("--model", required=True, help="the target checkpoint the head was trained for")
+    v.add_argument("--head", required=True, help="the draft head folder (rewritten in place)")
+    v.add_argument("--draft-vocab", default="auto", metavar="auto|full|N", type=_draft_vocab, help=VOCAB_HELP)
+    v.add_argument("--chat-prompts", type=int, default=None, metavar="N",
+                   help="count the answers to the first N built-in chat prompts (as `draft train` does)")
+    v.set_defaults(func=run_vocab)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
@@ -70,7 +92,7 @@ def run_train(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                          group_size=args.group_size, init=args.init, seed=args.seed, chain_frac=args.chain_frac,
                          loss_vocab_top=args.loss_vocab_top, feat_weight=args.feat_weight,
-                         teacher_dtype=args.teacher_dtype, qat_frac=args.qat_frac)
+                         teacher_dtype=args.teacher_dtype, qat_frac=args.qat_frac, draft_vocab=args.draft_vocab)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -86,4 +108,19 @@ def run_quantize(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote the int4 MTP head to {args.out} ({info})")
+    return 0
+
+
+def run_vocab(args: argparse.Namespace) -> int:
+    from backboard.config import ConfigError
+    from backboard.spec_decode.corpus import chat_training_corpus
+    from backboard.spec_decode.train import set_vocab_from_corpus
+
+    try:
+        train, held = chat_training_corpus(args.model, args.chat_prompts)
+        stats = set_vocab_from_corpus(args.model, args.head, train, held, args.draft_vocab)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.head}: INT8 LM head over {stats['draft_vocab_size'] or 'the whole vocabulary'} tokens ({stats})")
     return 0

@@ -112,6 +112,10 @@ class TokenCorpus:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def answer_ids(self) -> np.ndarray:
+        """The answer tokens [A] (the tokens drafts name)."""
+        return self.ids[self.answer.astype(bool)]
+
     def save(self, path: str) -> None:
         np.savez(path, ids=self.ids, answer=self.answer, starts=self.starts)
 

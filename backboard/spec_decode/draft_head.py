@@ -13,8 +13,10 @@ Saved format (a folder, loaded with `{"method": "draft_head", "draft_model": DIR
                                  "layers.0.mlp.gate_up_proj"): NAME.qweight uint8 [out, in/2] and
                                  NAME.scales fp32 [out, in/G] (ops/quant.py's int4 format);
                                  norms in full precision under their parameter names;
-                                 lm_head.qweight int8 [vocab, hidden], lm_head.scales fp32 [vocab]
-                                 when int8_lm_head.
+                                 lm_head.qweight int8 [V', hidden], lm_head.scales fp32 [V']
+                                 when int8_lm_head; lm_head.token_ids int64 [V'] when it drafts
+                                 over a draft vocabulary ("draft_vocab_size": V' in config.json;
+                                 spec_decode/draft_vocab.py), else V' is the whole vocabulary.
 The embedding is the target model's (shared, not saved)."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +35,7 @@ from backboard.distributed.shard import VocabShard, pad_rows
 from backboard.layers.linear import Int4Linear, Int8Linear, Linear
 from backboard.models.mtp import MTPHead
 from backboard.ops import dispatch
+from backboard.spec_decode.draft_vocab import DraftLMHead
 
 FORMAT = "backboard-draft-head"
 
@@ -90,21 +94,53 @@ def fake_quantize_head(head: MTPHead, group_size: int = 64, on: bool = True) -> 
 
 
 def save_draft_head(out_dir: str, head: MTPHead, groups: dict[str, int], cfg: ModelConfig,
-                    lm_head_weight: torch.Tensor | None, source: str, stats: dict | None = None) -> None:
+                    lm_head_weight: torch.Tensor | None, source: str, stats: dict | None = None,
+                    draft_vocab: np.ndarray | None = None) -> None:
+    """Write the folder; lm_head_weight [V, H] (the target's, whole) becomes the INT8 LM head,
+    only its draft_vocab rows ([V'] sorted ids) when given."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     if lm_head_weight is not None:
-        lm = Int8Linear.from_weight(lm_head_weight.float().cpu())
-        sd["lm_head.qweight"], sd["lm_head.scales"] = lm.qweight, lm.scales
+        sd.update(_lm_head_tensors(lm_head_weight, draft_vocab))
     save_file(sd, os.path.join(out_dir, "draft_head.safetensors"), metadata={"format": FORMAT})
     meta = {"format": FORMAT, "version": 1, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "group_sizes": groups,
             "int8_lm_head": lm_head_weight is not None, "base_model": os.path.abspath(cfg.path),
             "source": source, "stats": stats or {}}
+    if lm_head_weight is not None and draft_vocab is not None:
+        meta["draft_vocab_size"] = len(draft_vocab)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def _lm_head_tensors(lm_head_weight: torch.Tensor, draft_vocab: np.ndarray | None) -> dict[str, torch.Tensor]:
+    w = lm_head_weight.detach().float().cpu()
+    ids = None if draft_vocab is None else torch.from_numpy(np.asarray(draft_vocab, dtype=np.int64))
+    lm = Int8Linear.from_weight(w if ids is None else w[ids])
+    out = {"lm_head.qweight": lm.qweight, "lm_head.scales": lm.scales}
+    return out if ids is None else {**out, "lm_head.token_ids": ids.contiguous()}
+
+
+def set_draft_vocab(path: str, lm_head_weight: torch.Tensor, draft_vocab: np.ndarray | None,
+                    stats: dict | None = None) -> None:
+    """Rewrite a saved head's INT8 LM head over draft_vocab ([V'] sorted ids; None: the whole
+    vocabulary) from the target's lm_head_weight [V, H]; stats are merged into its config's."""
+    from safetensors.torch import load_file, save_file
+
+    st = os.path.join(path, "draft_head.safetensors")
+    sd = {k: v for k, v in load_file(st).items() if not k.startswith("lm_head.")}
+    save_file({**sd, **_lm_head_tensors(lm_head_weight, draft_vocab)}, st, metadata={"format": FORMAT})
+    with open(os.path.join(path, "config.json")) as f:
+        meta = json.load(f)
+    meta["int8_lm_head"] = True
+    meta.pop("draft_vocab_size", None)
+    if draft_vocab is not None:
+        meta["draft_vocab_size"] = len(draft_vocab)
+    meta["stats"] = {**meta.get("stats", {}), **(stats or {})}
+    with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(meta, f, indent=2)
 
 
@@ -156,35 +192,48 @@ def widen_head(head: MTPHead, dtype: torch.dtype) -> None:
 
 def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weight: torch.Tensor,
                     compute_logits: Callable[[torch.Tensor], torch.Tensor], attn_idx: int, device: str,
-                    int8_lm_head: bool = True):
-    """The head (in the target's dtype) and the LM head it drafts with: its saved INT8 LM head, or
-    one quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
-    target's own compute_logits without int8_lm_head. With it, a bf16 target's compute_logits
-    still takes the rows above dispatch.int8_lm_head_rows_max (CPUs where bf16 is the faster LM
-    head there). For a bf16 target on CPUs where dispatch.int4_widened_pays, the int4 layers are
-    widened to bf16 once here (each int4 value times its scale, rounded to bf16; drafts only, so
-    speculation stays lossless).
-    -> (head, lm_head callable hidden [R, H] -> fp32 logits [R, V]).
+                    int8_lm_head: bool = True) -> tuple[MTPHead, DraftLMHead]:
+    """The head (in the target's dtype) and the LM head it drafts with (DraftLMHead: hidden [R, H]
+    -> token ids [R]): its saved INT8 LM head (over its draft vocabulary when it has one), or one
+    quantized from the target's (lm_head_weight [V / tp padded, H]: this rank's rows), or the
+    target's own compute_logits without int8_lm_head. With it, a bf16 target's bf16 LM head (its
+    draft-vocabulary rows) still takes the rows above dispatch.int8_lm_head_rows_max (CPUs where
+    bf16 is the faster LM head there). For a bf16 target on CPUs where dispatch.int4_widened_pays,
+    the int4 layers are widened to bf16 once here (each int4 value times its scale, rounded to
+    bf16; drafts only, so speculation stays lossless).
 
     Under TP the head is whole on every rank (built in parallel_state.replicated(); it is small,
     and every rank has the whole hidden state after the row-parallel all-reduce), so its attention
     layer needs a KV cache with all the KV heads; the INT8 LM head is split by vocabulary as the
-    target's is."""
+    target's is, or whole on every rank over a draft vocabulary (no collective: the same drafts)."""
     head, lm_sd = read_draft_head(path, mc, dtype, attn_idx, device)
     if dtype == torch.bfloat16 and dispatch.int4_widened_pays(torch.device(device)):
         widen_head(head, dtype)
     if not int8_lm_head:
-        return head, compute_logits
-    int8 = _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)
+        return head, DraftLMHead(compute_logits)
     rows_max = dispatch.int8_lm_head_rows_max(torch.device(device)) if dtype == torch.bfloat16 else None
-    return head, int8 if rows_max is None else _by_rows(int8, compute_logits, rows_max)
+    if "token_ids" in lm_sd:
+        return head, _draft_vocab_lm_head(lm_sd, lm_head_weight, rows_max, device)
+    int8 = _int8_lm_head(lm_sd, lm_head_weight, mc.vocab_size, device)
+    return head, DraftLMHead(int8, compute_logits, rows_max)
 
 
-def _by_rows(small: Callable[[torch.Tensor], torch.Tensor], large: Callable[[torch.Tensor], torch.Tensor],
-             rows_max: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """small for up to rows_max rows, large above (the INT8 LM head, then the target's bf16 one
-    where that is faster: ops/cpu/gemm.INT8_LM_HEAD_ROWS_MAX). hidden [R, H] -> fp32 logits [R, V]."""
-    return lambda h: small(h) if h.shape[0] <= rows_max else large(h)
+def _draft_vocab_lm_head(lm_sd: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, rows_max: int | None,
+                         device: str) -> DraftLMHead:
+    """The saved INT8 rows of the draft vocabulary, whole on every rank; with one rank, above
+    rows_max rows the target's bf16 rows of the same tokens, and the context tokens outside the
+    vocabulary from the target's rows (lm_head_weight [V, H]; under TP a rank has only its share:
+    the draft vocabulary alone)."""
+    ids = lm_sd["token_ids"].to(device)
+    lm = Int8Linear(lm_sd["qweight"].shape[1], len(ids))
+    lm.qweight, lm.scales = lm_sd["qweight"], lm_sd["scales"]
+    lm = lm.to(device)
+    if tp_size() > 1:
+        return DraftLMHead(lm, token_ids=ids)
+    if rows_max is None:
+        return DraftLMHead(lm, token_ids=ids, rows=lm_head_weight)
+    w = lm_head_weight[ids].contiguous()
+    return DraftLMHead(lm, lambda h: dispatch.linear(h, w, out_dtype=torch.float32), rows_max, ids, lm_head_weight)
 
 
 def _int8_lm_head(lm_sd: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, vocab_size: int,

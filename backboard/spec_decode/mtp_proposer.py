@@ -25,7 +25,7 @@ import torch
 from backboard.config import EngineConfig
 from backboard.distributed.parallel_state import replicated
 from backboard.forward_context import set_forward_context
-from backboard.ops import dispatch
+from backboard.spec_decode.draft_vocab import ContextTokens, DraftLMHead
 from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
@@ -75,7 +75,8 @@ class MTPProposer(Proposer):
     def __init__(self, cfg: EngineConfig) -> None:
         super().__init__(cfg)
         self.head = None
-        self.lm_head = None
+        self.draft_lm: DraftLMHead | None = None    # the head's hidden -> draft token ids
+        self.context: ContextTokens | None = None   # over a draft vocabulary: the requests' own words
         self.replicated = cfg.spec.method == "draft_head"
         self.pending = PendingRows(min(cfg.scheduler.max_model_len, PENDING_ROWS_MAX))
         if self.replicated:                 # whole under TP: a cache of every KV head
@@ -90,13 +91,15 @@ class MTPProposer(Proposer):
             from backboard.models.mtp import load_mtp_head
 
             self.head = load_mtp_head(mc, ctx.dtype, attn_idx, dev)
-            self.lm_head = ctx.compute_logits
+            self.draft_lm = DraftLMHead(ctx.compute_logits)
         else:
             from backboard.spec_decode.draft_head import load_draft_head
 
-            self.head, self.lm_head = load_draft_head(
+            self.head, self.draft_lm = load_draft_head(
                 self.cfg.spec.draft_model, mc, ctx.dtype, ctx.lm_head_weight, ctx.compute_logits, attn_idx, dev,
                 int8_lm_head=self.cfg.spec.int8_lm_head)
+        if self.draft_lm.size is not None and self.draft_lm.rows is not None:
+            self.context = ContextTokens(self.draft_lm.token_ids, mc.vocab_size)
 
     # ---------------------------------------------------------------------------------------
     def _forward(self, ids: np.ndarray, hidden: torch.Tensor, q_lens: np.ndarray, num_computed: np.ndarray,
@@ -168,17 +171,29 @@ class MTPProposer(Proposer):
         self._last_pos = start + v - 1                                  # [B] position of that row
         return int(v.sum())
 
+    def _context_tokens(self, plan: StepPlan, who: np.ndarray):
+        """Over a draft vocabulary: the drafted requests' context tokens outside it, drafted over
+        too (DraftLMHead.extra), else None."""
+        if self.context is None:
+            return None
+        b = self.ctx.batch
+        self.context.keep_only(plan.req_ids)
+        ids = self.context.union([plan.req_ids[i] for i in who],
+                                 [b.token_ids[r, :b.num_tokens[r]] for r in plan.rows[who]])
+        return self.draft_lm.extra(ids)
+
     @torch.inference_mode()
     def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         h = self._last_hidden[torch.from_numpy(who).to(self._last_hidden.device)]
         pos = self._last_pos[who]
         rows = plan.rows[who]
         drafts = []
-        tok = dispatch.argmax(self.lm_head(h))                            # draft 1
+        extra = self._context_tokens(plan, who)
+        tok = self.draft_lm(h, extra)                                     # draft 1
         drafts.append(tok)
         for j in range(1, k):
             ones = np.ones(len(who), dtype=np.int64)
             h = self._forward(tok.cpu().numpy(), h, ones, pos + j, rows)
-            tok = dispatch.argmax(self.lm_head(h))
+            tok = self.draft_lm(h, extra)
             drafts.append(tok)
         return torch.stack(drafts, dim=1).tolist()

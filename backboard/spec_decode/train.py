@@ -29,10 +29,13 @@ from backboard.spec_decode.corpus import TokenCorpus
 from backboard.spec_decode.draft_head import (
     fake_quantize_head,
     quantize_head,
+    read_draft_config,
     read_draft_head,
     save_draft_head,
+    set_draft_vocab,
     widen_head,
 )
+from backboard.spec_decode.draft_vocab import coverage, draft_vocab_for
 from backboard.worker.input_batch import BatchRequest, prepare_batch
 from backboard.worker.memory import allocate_caches
 
@@ -291,7 +294,8 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
                      group_size: int = 64, init: str = "mtp", seed: int = 0, max_windows: int | None = None,
                      held_text: "str | TokenCorpus | None" = None, held_windows: int = 16, chain_frac: float = 0.5,
                      chain_depth: int = 2, loss_vocab_top: int = 0, feat_weight: float = 0.0, warmup: int = 20,
-                     teacher_dtype: str = "float32", qat_frac: float = 0.0, log=print) -> dict:
+                     teacher_dtype: str = "float32", qat_frac: float = 0.0, draft_vocab: "str | int" = "auto",
+                     log=print) -> dict:
     """Train, quantize, save; returns statistics (steps, tokens, loss, top-1 agreement of the
     float and the int4 head with the teacher on the answer tokens of held-out text: held_text
     when given, which should come from other prompts; else the last tenth of text). text: plain
@@ -302,7 +306,8 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
     over LossVocab (the text's tokens and the teacher's top loss_vocab_top alternatives).
     feat_weight > 0: EAGLE's feature regression beside the token loss (head_loss). qat_frac > 0:
     the last qat_frac of the budget trains through the int4 values (fake_quantize_head), so the
-    saved 4-bit head is the one that was trained."""
+    saved 4-bit head is the one that was trained. draft_vocab: the INT8 LM head's tokens
+    (spec_decode/draft_vocab.draft_vocab_for over the training answer tokens)."""
     torch.manual_seed(seed)
     cfg = ModelConfig.from_pretrained(model, dtype="float32")
     head = init_head(cfg, init, seed)   # first: a bad --init folder stops before the teacher's pass
@@ -366,8 +371,31 @@ def train_draft_head(model: str, text: "str | TokenCorpus", out_dir: str, *, min
              "tokens": int(len(train)), "answer_tokens": int(train.answer.sum()),
              "trained_positions": step * batch_size * (seq_len - 1),
              "loss_vocab": len(vocab.ids) if vocab is not None else None, "qat_frac": qat_frac}
-    save_draft_head(out_dir, head, groups, cfg, target.lm_head.weight.float(), source="train", stats=stats)
+    vocab_ids = draft_vocab_for(train.answer_ids(), cfg.vocab_size, draft_vocab)
+    stats.update(vocab_stats(vocab_ids, held))
+    save_draft_head(out_dir, head, groups, cfg, target.lm_head.weight.float(), source="train", stats=stats,
+                    draft_vocab=vocab_ids)
     log(f"saved the int4 draft head to {out_dir}: {stats}")
+    return stats
+
+
+def vocab_stats(vocab_ids: np.ndarray | None, held: TokenCorpus) -> dict:
+    """The draft vocabulary's size and its coverage of the held-out answer tokens."""
+    if vocab_ids is None:
+        return {"draft_vocab_size": None}
+    return {"draft_vocab_size": len(vocab_ids),
+            "draft_vocab_heldout_cover": coverage(vocab_ids, held.answer_ids())}
+
+
+def set_vocab_from_corpus(model: str, head_dir: str, train: TokenCorpus, held: TokenCorpus,
+                          spec: "str | int") -> dict:
+    """`backboard draft vocab`: a saved head's INT8 LM head over the draft vocabulary of train's
+    answer tokens (draft_vocab_for), from the target's LM head. -> the vocabulary's statistics."""
+    cfg = ModelConfig.from_pretrained(model, dtype="float32")
+    read_draft_config(head_dir, cfg)                       # a folder for this model, before the work
+    ids = draft_vocab_for(train.answer_ids(), cfg.vocab_size, spec)
+    stats = vocab_stats(ids, held)
+    set_draft_vocab(head_dir, load_model(cfg).lm_head.weight, ids, stats)
     return stats
 
 

@@ -59,17 +59,21 @@ def test_tp2_equals_tp1_hybrid_with_speculation_and_preemption(tiny_models):
     assert [g[0] for g in got] == [r[0] for r in ref]
 
 
-def test_tp2_draft_head_equals_tp1(soft_model, trained_draft_head, monkeypatch):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_tp2_draft_head_equals_tp1(soft_model, trained_draft_head, monkeypatch, tmp_path, draft_vocab):
     """The 4-bit draft head whole on every rank (its own KV cache of every KV head) with its INT8
-    LM head split by vocabulary: the same greedy tokens as TP = 1 with the same head, the same
-    drafts step by step (rank 0's), some of them accepted; with preemption too."""
+    LM head split by vocabulary (or whole on every rank over a draft vocabulary): the same greedy
+    tokens as TP = 1 with the same head, the same drafts step by step (rank 0's), some of them
+    accepted; with preemption too."""
     from backboard.spec_decode.mtp_proposer import MTPProposer
 
+    head = trained_draft_head[0]
+    if draft_vocab:                     # the tokens the target writes here, and some others
+        head = _with_draft_vocab(soft_model, head, str(tmp_path / "head"))
     drafts: list[list[list[int]]] = []
     propose = MTPProposer.propose
     monkeypatch.setattr(MTPProposer, "propose", lambda self, *a: drafts.append(propose(self, *a)) or drafts[-1])
-    spec = {"method": "draft_head", "draft_model": trained_draft_head[0], "num_speculative_tokens": 2,
-            "adaptive": False}
+    spec = {"method": "draft_head", "draft_model": head, "num_speculative_tokens": 2, "adaptive": False}
     ref, ref_stats = _run(soft_model, speculative_config=spec)
     ref_drafts, drafts[:] = list(drafts), []
     got, stats = _run(soft_model, tensor_parallel_size=2, speculative_config=spec)
@@ -79,6 +83,21 @@ def test_tp2_draft_head_equals_tp1(soft_model, trained_draft_head, monkeypatch):
     got, stats = _run(soft_model, tensor_parallel_size=2, speculative_config=spec, num_kv_blocks=8)
     assert stats["num_preemptions"] >= 1 and stats["spec_num_accepted_tokens"] > 0
     _check(ref, got)
+
+
+def _with_draft_vocab(model: str, head: str, out: str) -> str:
+    import shutil
+
+    from backboard.config import ModelConfig
+    from backboard.models.loader import load_model
+    from backboard.spec_decode.draft_head import set_draft_vocab
+
+    ref, _ = _run(model)
+    written = np.unique(np.concatenate([r[0] for r in ref]))
+    shutil.copytree(head, out)
+    mc = ModelConfig.from_pretrained(model, dtype="float32")
+    set_draft_vocab(out, load_model(mc).lm_head.weight.detach(), np.union1d(written, np.arange(0, 1000, 7)))
+    return out
 
 
 def test_heads_not_divisible_is_a_config_error(tiny_models):

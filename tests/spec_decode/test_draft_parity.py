@@ -35,7 +35,7 @@ def _engine_first_drafts(model: str, head: str, prompt: list[int], k: int):
                                   "adaptive": False})
     prop = llm.engine.runner.proposer
     calls: list[list] = []
-    lm_head, draft = prop.lm_head, prop.draft
+    lm_head, draft = prop.draft_lm.logits, prop.draft
 
     def record_lm(h):
         out = lm_head(h)
@@ -47,7 +47,7 @@ def _engine_first_drafts(model: str, head: str, prompt: list[int], k: int):
         calls.append([int(prop._last_pos[who][0])])
         return draft(plan, hidden, k, who)
 
-    prop.lm_head, prop.draft = record_lm, record_draft
+    prop.draft_lm.logits, prop.draft = record_lm, record_draft
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     return np.array(prompt + list(out[0].outputs[0].token_ids), dtype=np.int64), calls
 
@@ -66,7 +66,7 @@ def test_proposer_first_draft_logits_equal_training_path(dense_model, head_dir, 
         h, _ = teacher(seq[None])
         head, lm = load_draft_head(head_dir, cfg, torch.float32, teacher.model.lm_head.weight,
                                    teacher.model.compute_logits, attn_idx=0, device="cpu")
-        train = draft_logits(head, teacher.model, seq[None], h, lm)        # row i predicts seq[i + 2]
+        train = draft_logits(head, teacher.model, seq[None], h, lm.logits)        # row i predicts seq[i + 2]
     for pos, logits in calls:
         torch.testing.assert_close(logits, train[pos], atol=2e-3, rtol=2e-3,
                                    msg=lambda m, pos=pos: f"draft-1 logits at position {pos}: {m}")
