@@ -131,16 +131,30 @@ class TokenCorpus:
                    np.concatenate([p.starts + o for p, o in zip(parts, offs)]))
 
 
-def _cache_key(model: str, asks: list[str], **gen) -> str:
-    blob = json.dumps([os.path.basename(os.path.normpath(model)), asks, sorted(gen.items())])
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+def model_fingerprint(model: str, sample: int = 1 << 20) -> str:
+    """What the model's answers depend on, not where it lies: its config.json and, for each
+    weight file, its size and its first and last `sample` bytes (the header and weights: a
+    fine-tune of the same shapes differs there). The same GGUF converted twice (the conversion's
+    folder is named after the file's path and time) gives the same fingerprint."""
+    h = hashlib.sha256()
+    with open(os.path.join(model, "config.json"), "rb") as f:
+        h.update(f.read())
+    for name in sorted(n for n in os.listdir(model) if n.endswith((".safetensors", ".bin"))):
+        path = os.path.join(model, name)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            h.update(f"{name}|{size}".encode() + f.read(sample))
+            f.seek(max(0, size - sample))
+            h.update(f.read(sample))
+    return h.hexdigest()[:16]
 
 
-def _shard_path(folder: str, model: str, asks: list[str], s0: int, **gen) -> str:
-    """A shard's file, named by its own prompts, their first index (the seeds and temperatures
-    follow it) and the generation settings: a longer or shorter prompt list reuses every shard it
-    shares with one written before."""
-    return os.path.join(folder, f"shard-{_cache_key(model, asks, s0=s0, **gen)}.npz")
+def _shard_path(folder: str, fingerprint: str, asks: list[str], s0: int, **gen) -> str:
+    """A shard's file, named by the model (model_fingerprint), its own prompts, their first index
+    (the seeds and temperatures follow it) and the generation settings: a longer or shorter prompt
+    list reuses every shard it shares with one written before."""
+    blob = json.dumps([fingerprint, asks, s0, sorted(gen.items())])
+    return os.path.join(folder, f"shard-{hashlib.sha256(blob.encode()).hexdigest()[:12]}.npz")
 
 
 def chat_corpus(model: str, asks: list[str], cache_dir: str, *, max_tokens: int = 256, sample_every: int = 3,
@@ -149,12 +163,13 @@ def chat_corpus(model: str, asks: list[str], cache_dir: str, *, max_tokens: int 
     T = 0.7), written in shards of `shard` prompts under cache_dir (_shard_path) and read back from
     there when present (an interrupted run resumes at the first missing shard)."""
     from backboard.engine.llm import LLM
+    from backboard.models.gguf import resolve_model_path
     from backboard.sampling_params import SamplingParams
 
     os.makedirs(cache_dir, exist_ok=True)
-    parts, llm = [], None
+    parts, llm, fingerprint = [], None, model_fingerprint(resolve_model_path(model))
     for s0 in range(0, len(asks), shard):
-        path = _shard_path(cache_dir, model, asks[s0:s0 + shard], s0, max_tokens=max_tokens,
+        path = _shard_path(cache_dir, fingerprint, asks[s0:s0 + shard], s0, max_tokens=max_tokens,
                            sample_every=sample_every, seed=seed)
         if not os.path.isfile(path):
             if llm is None:

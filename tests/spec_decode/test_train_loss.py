@@ -83,6 +83,27 @@ def test_loss_counts_only_weighted_positions(setup):
                                full)
 
 
+def test_corpus_shards_follow_the_model_not_its_folder(hybrid_model, tiny_models, tmp_path):
+    """A copy of the model in another folder (a GGUF converted again lands in a new one) reads
+    the same shards; another model with other weights does not."""
+    import shutil
+
+    from backboard.spec_decode.corpus import chat_asks, chat_corpus, model_fingerprint
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(hybrid_model, copy)
+    other = tiny_models("qwen3_5", init_std=0.02)
+    assert model_fingerprint(copy) == model_fingerprint(hybrid_model) != model_fingerprint(other)
+    asks = chat_asks(["bees"], ["Why is {} important?"])
+    gen = dict(max_tokens=4, shard=2, max_num_seqs=2, log=lambda *a: None)
+    cache = tmp_path / "cache"
+    chat_corpus(hybrid_model, asks, str(cache), **gen)
+    chat_corpus(copy, asks, str(cache), **gen)
+    assert len(list(cache.glob("shard-*.npz"))) == 1
+    chat_corpus(other, asks, str(cache), **gen)
+    assert len(list(cache.glob("shard-*.npz"))) == 2
+
+
 def test_corpus_shards_are_reused_by_a_longer_or_cut_prompt_list(hybrid_model, tmp_path, monkeypatch):
     """The corpus is cached per shard, named by the shard's own prompts: a cut list reads its
     shards back and a longer one writes only the shards it adds (generation is most of the cost);
