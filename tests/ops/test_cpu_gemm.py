@@ -96,7 +96,7 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
     forms), exact against the reference: a strided x, a partial block of 8 channels, a K tail;
     the setting refuses more than 4 rows."""
     kept = mod.gemv_rows()
-    assert kept == (gemm.GEMV_ROWS_WIDE if gemm.gemv_rows_wide(mod) else (2, 8 << 20, 1024))
+    assert kept == (gemm.GEMV_ROWS_WIDE if gemm.zen5(mod) else (2, 8 << 20, 1024))
     try:
         mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
         assert mod.gemv_rows() == gemm.GEMV_ROWS_WIDE
@@ -119,7 +119,7 @@ def test_two_or_three_bf16_rows_over_an_lm_head_widened_to_fp32(mod, M):
     faster there); the output keeps x's dtype and the exact products."""
     N, K = (8 << 20) // 600 + 5, 600
     x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16(), torch.randn(N)
-    widened = gemm._isa_running(mod) == "avx512_bf16" and not gemm.gemv_rows_wide(mod)
+    widened = gemm._isa_running(mod) == "avx512_bf16" and not gemm.zen5(mod)
     assert gemm._widen_x_pays(mod, x, w) == widened
     assert not gemm._widen_x_pays(mod, x[:, :512], w[:64, :512])
     y = gemm.linear_bf16(x, w, b, torch.float32, mod=mod)
@@ -138,6 +138,35 @@ def test_twelve_to_fifteen_rows_over_many_channels(mod):
         y = mod.linear_bf16(x, w, b, True, False)
         assert y.shape == (M, N)
         _close_fp32(y, _ref_bf16(x, w) + b)
+
+
+def test_lanes_tiles_of_twelve_channels_where_set(mod):
+    """With 12 channels per lanes tile at one row vector (gemm.LANES_CHANNELS_WIDE, taken on Zen 5;
+    set here on every level that has the lanes kernel), 12-16 rows are exact against the
+    reference: channel tails of every size past and below the 8 of one store (N = 12 t + r),
+    strided rows, bias, fp32 and bf16 outputs; 17 rows (two vectors) keep the 6-channel tiles. The
+    setting takes 6 or 12 only."""
+    kept = mod.lanes_channels()
+    if kept == 0:                                       # no lanes kernel at this level: no setting
+        assert mod.isa() not in ("avx512_bf16", "amx_bf16")
+        mod.set_lanes_channels(12)
+        assert mod.lanes_channels() == 0
+        return
+    assert kept == (gemm.LANES_CHANNELS_WIDE if gemm.zen5(mod) else 6)
+    try:
+        mod.set_lanes_channels(12)
+        K = 2 * 64 + 2 * mod.VW + 2
+        for M in (12, 16, 17):
+            for N in (1, 7, 9, 12, 23, 2048 + 13):
+                w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+                x = torch.randn(M, 2 * K).bfloat16()[:, :K]
+                ref = _ref_bf16(x, w) + b
+                _close_fp32(mod.linear_bf16(x, w, b, True, False), ref)
+                torch.testing.assert_close(mod.linear_bf16(x, w, b, False, False), ref.bfloat16(), rtol=1e-2, atol=1e-2)
+        with pytest.raises(ValueError, match="6 or 12"):
+            mod.set_lanes_channels(8)
+    finally:
+        mod.set_lanes_channels(kept)
 
 
 @pytest.mark.parametrize("M", (16, 17, 33, 64, 80))

@@ -566,6 +566,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const bb::GemvRows& s = bb::gemv_rows_setting();
     return std::make_tuple(s.max_m, s.min_weights, s.max_k);
   }, "the setting set_gemv_rows takes: (max_m, min_weights, max_k)");
+  m.def("set_lanes_channels", [](int64_t nc) {
+#if defined(BB_ISA_AVX512_BF16)
+    if (nc != 6 && nc != 12) throw std::invalid_argument("set_lanes_channels: 6 or 12");
+    bb::lanes::wide_channels() = int(nc);
+#endif
+  }, "channels per lanes tile at 16 or 32 rows (6 or 12; no effect without the lanes kernel)", "nc"_a);
+  m.def("lanes_channels", [] {
+#if defined(BB_ISA_AVX512_BF16)
+    return bb::lanes::wide_channels();
+#else
+    return 0;
+#endif
+  }, "the setting set_lanes_channels takes (0 without the lanes kernel)");
   m.attr("VW") = bb::VW;
   m.attr("INT4_STEP") = 2 * bb::VW;
   m.attr("MB") = bb::MB;

@@ -53,10 +53,11 @@ def module(isa: str | None = None):
 
 @functools.lru_cache(maxsize=None)
 def _loaded(isa: str):
-    """The kernels of one level, set up once for this CPU (GEMV_ROWS_WIDE where it pays)."""
+    """The kernels of one level, set up once for this CPU (Zen 5's settings where it is one)."""
     mod = load_kernels(FAMILY, SOURCES, isa)
-    if mod is not None and gemv_rows_wide(mod):
+    if mod is not None and zen5(mod):
         mod.set_gemv_rows(*GEMV_ROWS_WIDE)
+        mod.set_lanes_channels(LANES_CHANNELS_WIDE)
     return mod
 
 # gemm.cpp's gemv_rows (one weight stream in address order feeding every row) in place of the
@@ -68,11 +69,16 @@ def _loaded(isa: str):
 # head-sized weights: on a Zen 4 the tiles won at 3-4 rows over an LM head (10.4 vs 7.5 ms) and
 # at K 2048+ (8192 x 2048, 2 rows: 762 vs 442 us).
 GEMV_ROWS_WIDE = (4, 0, 2048)
+# gemm_lanes.h's tiles at one row vector (12-16 rows) with 12 channels instead of 6 on Zen 5, whose
+# two VDPBF16PS a cycle need 12 accumulator chains (figures in gemm_lanes.h: 16 rows over a 248320
+# x 512 LM head 7.6 -> 5.6 ms on 2 cores).
+LANES_CHANNELS_WIDE = 12
 
 
 @functools.lru_cache(maxsize=8)
-def gemv_rows_wide(mod) -> bool:
-    """Whether this CPU takes GEMV_ROWS_WIDE (measured on Zen 5's avx512_bf16 build only)."""
+def zen5(mod) -> bool:
+    """Whether this CPU takes Zen 5's settings, GEMV_ROWS_WIDE and LANES_CHANNELS_WIDE (measured on
+    Zen 5's avx512_bf16 build only)."""
     return _isa_running(mod) == "avx512_bf16" and cpu_family() == ("AuthenticAMD", 26)
 
 
@@ -144,7 +150,7 @@ def _widen_x_pays(mod, x: torch.Tensor, w: torch.Tensor) -> bool:
     """(Not where GEMV_ROWS_WIDE is set: there bf16 x of 2-3 rows over SmolLM2's 49152 x 576 took
     1.11 ms in gemv_rows, widened to fp32 1.54-1.58, on a Zen 5.)"""
     N, K = w.shape
-    rows = () if gemv_rows_wide(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
+    rows = () if zen5(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
     return x.dtype == torch.bfloat16 and x.shape[0] in rows and K <= FP32_X_MAX_K and N * K >= FP32_X_MIN_WEIGHTS
 
 

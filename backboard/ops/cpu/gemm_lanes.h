@@ -111,6 +111,17 @@ inline void store_rows(const Args& a, const __m512* acc, int64_t m0, int64_t n0)
   }
 }
 
+// store_rows for NC <= 16 channels (two stores past 8)
+template <int NC>
+inline void store_any(const Args& a, const __m512* acc, int64_t m0, int64_t n0) {
+  if constexpr (NC > 8) {
+    store_rows<8>(a, acc, m0, n0);
+    store_rows<NC - 8>(a, acc + 8, m0, n0 + 8);
+  } else {
+    store_rows<NC>(a, acc, m0, n0);
+  }
+}
+
 // acc[i][j] (lane l) = sum over k of x[m0 + 16 i + l][k] * W[n0 + j][k], then stored
 template <int NV, int NC>
 inline void tile(const Args& a, int64_t m0, int64_t n0) {
@@ -131,7 +142,7 @@ inline void tile(const Args& a, int64_t m0, int64_t n0) {
       for (int i = 0; i < NV; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv[i], (__m512bh)b);
     }
   }
-  for (int i = 0; i < NV; ++i) store_rows<NC>(a, acc[i], m0 + i * L, n0);
+  for (int i = 0; i < NV; ++i) store_any<NC>(a, acc[i], m0 + i * L, n0);
 }
 
 // a tile of nv <= NV row vectors and nc <= NC channels (tails take smaller instances)
@@ -161,9 +172,22 @@ inline void run_tiles(const Args& a) {
   });
 }
 
+// Channels per tile at 16 rows or fewer (one row vector): 6, or 12 where set (set_lanes_channels:
+// Zen 5). A 1 x 6 tile is 6 accumulator chains, one VDPBF16PS a cycle at its latency; Zen 5 issues
+// two a cycle at full width. 2 Zen 5 cores, ms, 6 vs 12 channels: 16 rows over a 248320 x 512 LM
+// head 7.6 vs 5.6 (the read alone 4.7), over 49152 x 576 1.78 vs 1.22, 4096 x 512 0.132 vs 0.096;
+// 12 rows 7.5 vs 5.4. Two row vectors already hold 12 chains: 2 x 12 was slower there (20-32
+// rows over the large LM head 10 vs 12 ms).
+inline int& wide_channels() {
+  static int nc = 6;
+  return nc;
+}
+
 // 4 x 6 tiles (their tails for fewer rows): more channels per tile for 16 or 32 rows were no
-// faster (8, 12, 16 measured: the extra weight rows in flight cost more than the broadcasts save)
+// faster on a Zen 4 (8, 12, 16 measured: the extra weight rows in flight cost more than the
+// broadcasts save); 1 x 12 for one row vector where wide_channels() is 12
 inline void run(const Args& a) {
+  if (wide_channels() == 12 && a.mp == L) return run_tiles<1, 12>(a);
   run_tiles<4, 6>(a);
 }
 
