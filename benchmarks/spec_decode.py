@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--train-minutes", type=float, default=30.0, help="real text: draft-head training time")
     ap.add_argument("--chat-prompts", type=int, default=None, help="real text: train on the model's answers to "
                     "this many of the built-in chat prompts (all by default; cached in ~/.cache/backboard)")
-    ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic)")
+    ap.add_argument("--concurrency", default=None, help="default: 1,4,16 (real text), 1,4,16,64 (synthetic); "
+                    "\"\" for the acceptance rows only")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--range-ratio", type=float, default=0.8, help="real text, speed rows: output lengths uniform "
@@ -219,7 +220,8 @@ def main() -> None:
     ap.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=["draft_head", "ngram"],
                     help="real text: proposers to measure (ngram alone needs no trained head)")
     args = ap.parse_args()
-    args.concurrency = args.concurrency or ("1,4,16" if args.model else "1,4,16,64")
+    if args.concurrency is None:
+        args.concurrency = "1,4,16" if args.model else "1,4,16,64"
     (real_text if args.model else synthetic)(args)
 
 
