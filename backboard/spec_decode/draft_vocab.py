@@ -10,7 +10,8 @@ of them to cover `cover` of those answers' tokens (SmolLM2: 15360 of 49152).
 What a fixed vocabulary misses is the request's own words: on held-out chat topics, 2.2% of the
 answer tokens fell outside SmolLM2's, nearly all of them the topic's words from the prompt
 (" magnets", " octopus", " Giza"). So each request's context tokens outside the vocabulary
-(ContextTokens) are drafted over too, from the target's LM head rows."""
+(ContextTokens) are drafted over too, from the target's LM head rows (with one rank: under TP a
+rank holds only its share of those rows, and the draft vocabulary drafts over its own tokens)."""
 
 from __future__ import annotations
 
