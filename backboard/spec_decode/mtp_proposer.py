@@ -171,7 +171,7 @@ class MTPProposer(Proposer):
         self._last_pos = start + v - 1                                  # [B] position of that row
         return int(v.sum())
 
-    def _context_tokens(self, plan: StepPlan, who: np.ndarray):
+    def _context_tokens(self, plan: StepPlan, who: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Over a draft vocabulary: the drafted requests' context tokens outside it, drafted over
         too (DraftLMHead.extra), else None."""
         if self.context is None:
