@@ -112,11 +112,13 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 def run_vocab(args: argparse.Namespace) -> int:
-    from backboard.config import ConfigError
+    from backboard.config import ConfigError, ModelConfig
     from backboard.spec_decode.corpus import chat_training_corpus
+    from backboard.spec_decode.draft_head import read_draft_config
     from backboard.spec_decode.train import set_vocab_from_corpus
 
-    try:
+    try:      # a wrong folder stops here, before the corpus (written once: most of an hour)
+        read_draft_config(args.head, ModelConfig.from_pretrained(args.model, dtype="float32"))
         train, held = chat_training_corpus(args.model, args.chat_prompts)
         stats = set_vocab_from_corpus(args.model, args.head, train, held, args.draft_vocab)
     except (ValueError, ConfigError) as e:

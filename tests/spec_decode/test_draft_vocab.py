@@ -147,3 +147,24 @@ def test_training_saves_the_answers_vocabulary(soft_model, tmp_path):
     assert full == {"draft_vocab_size": None}
     assert "lm_head.token_ids" not in load_file(os.path.join(tmp_path, "draft_head.safetensors"))
     assert "draft_vocab_size" not in json.load(open(os.path.join(tmp_path, "config.json")))
+
+
+def test_vocab_cli_checks_the_head_folder_first(soft_model, tmp_path):
+    """`backboard draft vocab` with a folder that is not a draft head stops at once with what to
+    do (before writing the chat corpus, most of an hour on a real model); a bad --draft-vocab is
+    a usage error."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"                 # where the corpus would be written
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "backboard.cli", "draft", "vocab", "--model", soft_model, *a],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "BACKBOARD_CACHE": str(cache)})
+
+    r = run("--head", str(tmp_path))
+    assert r.returncode == 2 and "no config.json" in r.stderr and "backboard draft train" in r.stderr
+    assert not (cache / "draft-corpus").exists()
+    r = run("--head", str(tmp_path), "--draft-vocab", "lots")
+    assert r.returncode == 2 and "auto, full or a positive number" in r.stderr
