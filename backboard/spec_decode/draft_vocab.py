@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from backboard.ops import dispatch
+from backboard.spec_decode.proposer import running_only
 
 DEFAULT_COVER = 0.999      # share of the training answer tokens the draft vocabulary covers
 MULTIPLE = 1024            # the size is rounded up to this (and capped at the vocabulary)
@@ -97,9 +98,7 @@ class ContextTokens:
 
     def keep_only(self, rids: list[str]) -> None:
         """Forget requests that are not running (finished, aborted, preempted)."""
-        if any(r not in rids for r in self.seen):
-            keep = set(rids)
-            self.seen = {r: v for r, v in self.seen.items() if r in keep}
+        self.seen = running_only(self.seen, rids)
 
 
 class DraftLMHead:

@@ -26,7 +26,7 @@ from backboard.config import EngineConfig
 from backboard.distributed.parallel_state import replicated
 from backboard.forward_context import set_forward_context
 from backboard.spec_decode.draft_vocab import ContextTokens, DraftLMHead
-from backboard.spec_decode.proposer import Proposer, ProposerContext
+from backboard.spec_decode.proposer import Proposer, ProposerContext, running_only
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
@@ -64,9 +64,7 @@ class PendingRows:
 
     def keep_only(self, req_ids: list[str]) -> None:
         """Forget requests that are not running (finished, aborted, preempted)."""
-        keep = set(req_ids)
-        if any(r not in keep for r in self.spans):
-            self.spans = {r: v for r, v in self.spans.items() if r in keep}
+        self.spans = running_only(self.spans, req_ids)
 
 
 class MTPProposer(Proposer):

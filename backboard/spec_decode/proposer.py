@@ -18,6 +18,13 @@ from backboard.worker.input_batch import InputBatch
 from backboard.worker.step import SampleResult, StepPlan
 
 
+def running_only(state: dict, req_ids: list[str]) -> dict:
+    """Per-request state without the requests not in req_ids (finished, aborted, preempted); the
+    same dict when none is to go (the common step)."""
+    keep = set(req_ids)
+    return state if all(r in keep for r in state) else {r: v for r, v in state.items() if r in keep}
+
+
 @dataclass(frozen=True)
 class ProposerContext:
     """What a proposer may use of the runner (the runner builds it once; the proposer reads the

@@ -127,3 +127,22 @@ def test_tokens_counted_for_the_requests_that_get_drafts(seed):
     assert speed >= 0.97, (speed, ks)
     speed, ks = _simulate(16, 0.014, 0.0002, coverage=1.0, **kw)     # the same drafts for all: it pays
     assert speed >= 1.0, (speed, ks)
+
+
+def test_a_slow_step_does_not_stand_for_its_k():
+    """Whole-step seconds per (batch class, k) are the median of the last steps: one slow step
+    (a probe that met a GC pause) does not move the rating, a lasting change does; fewer than
+    min_steps samples, or a newest one older than max_age steps, rate nothing."""
+    from backboard.spec_decode.adaptive import _StepSeconds
+
+    s = _StepSeconds(keep=7, min_steps=3, max_age=256)
+    s.add((1, 3), 0.012, 0)
+    s.add((1, 3), 0.030, 1)
+    assert s.mean((1, 3), 1) is None
+    for step in range(2, 7):
+        s.add((1, 3), 0.012, step)
+    assert s.mean((1, 3), 6) == pytest.approx(0.012)              # an exponentially weighted mean: ~0.014
+    for step in range(7, 11):
+        s.add((1, 3), 0.020, step)
+    assert s.mean((1, 3), 10) == pytest.approx(0.020)             # the last 7: four of them at 20 ms
+    assert s.mean((1, 3), 10 + 257) is None and s.mean((1, 2), 10) is None
