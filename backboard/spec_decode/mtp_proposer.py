@@ -25,46 +25,16 @@ import torch
 from backboard.config import EngineConfig
 from backboard.distributed.parallel_state import replicated
 from backboard.forward_context import set_forward_context
+from backboard.spec_decode.deferred import DeferredSteps
 from backboard.spec_decode.draft_vocab import ContextTokens, DraftLMHead
-from backboard.spec_decode.proposer import Proposer, ProposerContext, running_only
+from backboard.spec_decode.proposer import Proposer, ProposerContext
 from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
-# Deferred rows kept per request: a bound on memory the KV planning does not count (64 requests x
-# 512 x hidden 5120 in bf16: 335 MB); positions further back than this stay holes.
-PENDING_ROWS_MAX = 512
-
-
-class PendingRows:
-    """The target's hidden states of positions the head has not caught up on, per request, while
-    speculation is off (k = 0: no head work). Each request's rows are one contiguous span of
-    positions [start, start + n); at most `cap` are kept (the oldest dropped: those positions
-    stay holes in the head's cache)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.spans: dict[str, tuple[int, int, list[torch.Tensor]]] = {}    # req_id -> (start, rows, [rows [n_j, H]])
-
-    def add(self, rid: str, pos: int, rows: torch.Tensor) -> None:
-        """rows [n, H] at positions pos.. (a span that does not continue the kept one restarts it:
-        a recomputed request, or rows lost)."""
-        start, n, parts = self.spans.get(rid, (pos, 0, []))
-        if start + n != pos:
-            start, n, parts = pos, 0, []
-        parts.append(rows)
-        n += len(rows)
-        if n > self.cap:
-            parts, start, n = [torch.cat(parts)[n - self.cap:]], start + n - self.cap, self.cap
-        self.spans[rid] = (start, n, parts)
-
-    def take(self, rid: str, pos: int) -> torch.Tensor | None:
-        """The rows that end just before position pos ([n, H], removed), or None."""
-        start, n, parts = self.spans.pop(rid, (0, 0, []))
-        return torch.cat(parts) if parts and start + n == pos else None
-
-    def keep_only(self, req_ids: list[str]) -> None:
-        """Forget requests that are not running (finished, aborted, preempted)."""
-        self.spans = running_only(self.spans, req_ids)
+# Deferred rows kept per request: positions further back than this stay holes. The log of steps
+# off holds at most max_num_seqs times this plus a step's token budget (64 requests x 512 x hidden
+# 5120 in bf16: 335 MB, a bound the KV planning does not count).
+DEFERRED_ROWS_MAX = 512
 
 
 class MTPProposer(Proposer):
@@ -76,7 +46,9 @@ class MTPProposer(Proposer):
         self.draft_lm: DraftLMHead | None = None    # the head's hidden -> draft token ids
         self.context: ContextTokens | None = None   # over a draft vocabulary: the requests' own words
         self.replicated = cfg.spec.method == "draft_head"
-        self.pending = PendingRows(min(cfg.scheduler.max_model_len, PENDING_ROWS_MAX))
+        sc = cfg.scheduler
+        cap = min(sc.max_model_len, DEFERRED_ROWS_MAX)
+        self.deferred = DeferredSteps(cap, sc.max_num_seqs * cap + sc.max_num_batched_tokens)
         if self.replicated:                 # whole under TP: a cache of every KV head
             self.extra_attn_kv_heads = cfg.model.num_key_value_heads
 
@@ -126,22 +98,18 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def defer(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """Speculation is off this step: keep the target's hidden states of the rows the head
-        would have caught up on (PendingRows), so that turning it back on fills the head's cache
-        instead of leaving holes that every later draft of the request attends over."""
-        v = self._known_rows(plan)
-        self.pending.keep_only(plan.req_ids)
-        kept = hidden.clone()               # one copy per step; each request keeps views of its rows
-        for i, rid in enumerate(plan.req_ids):
-            if v[i] > 0:
-                self.pending.add(rid, int(plan.num_computed[i]), self._rows_of(plan, kept, i, v[i]))
+        would have caught up on (DeferredSteps: one copy a step), so that turning it back on fills
+        the head's cache instead of leaving holes that every later draft of the request attends
+        over."""
+        qsl = plan.inputs.query_start_loc
+        self.deferred.add(plan.req_ids, plan.num_computed, self._known_rows(plan), qsl[:-1], hidden.clone())
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:
         b = self.ctx.batch
         cur = self._known_rows(plan)                    # this step's rows, then the deferred ones before them
-        self.pending.keep_only(plan.req_ids)
-        pend = [self.pending.take(rid, int(plan.num_computed[i])) if cur[i] > 0 else None
-                for i, rid in enumerate(plan.req_ids)]
+        pend = self.deferred.take(plan.req_ids, plan.num_computed) if self.deferred.steps else [None] * len(cur)
+        pend = [p if c > 0 else None for p, c in zip(pend, cur)]
         start = np.array([nc - (0 if p is None else len(p)) for nc, p in zip(plan.num_computed, pend)], dtype=np.int64)
         v = cur + plan.num_computed - start
         tok_rows = np.repeat(plan.rows, v)

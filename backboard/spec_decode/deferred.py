@@ -1,0 +1,97 @@
+"""The target's hidden states of the steps a model-based proposer sat out (adaptive k = 0: no head
+work), kept so that its next catch-up fills the head's KV cache instead of leaving holes.
+
+A step off costs one entry: the step's hidden states [T, H] (the caller's copy), the requests'
+ids, the position of each one's first row, its rows the head would have run over and where they
+start in the step. Nothing is done per request until speculation turns back on, when `take`
+walks the log once and gathers every request's rows with one indexed copy per step. (Keeping
+each request's rows as they came, a tensor slice per request per step, cost SmolLM2's draft-head
+engine at C16 ~0.2 ms of a 15 ms step, every step speculation was off: most steps there.)"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class _Step:
+    hidden: torch.Tensor            # [T, H] the step's flat batch
+    where: dict[str, int]           # req_id -> its index in the step
+    pos: np.ndarray                 # [B] position of each request's first row
+    rows: np.ndarray                # [B] its rows the head runs over (the first ones of its q rows)
+    start: np.ndarray               # [B] its first row in hidden
+
+
+class DeferredSteps:
+    """A log of the steps off. A request's rows handed back are the contiguous positions ending
+    just before its next catch-up, at most `cap` of them (older ones stay holes); the log holds
+    at most `max_rows` rows in all (the oldest steps dropped first)."""
+
+    def __init__(self, cap: int, max_rows: int) -> None:
+        self.cap, self.max_rows = cap, max_rows
+        self.steps: deque[_Step] = deque()
+        self.num_rows = 0
+
+    def add(self, req_ids: list[str], pos: np.ndarray, rows: np.ndarray, start: np.ndarray,
+            hidden: torch.Tensor) -> None:
+        """One step off: req_ids / pos / rows / start [B], hidden [T, H] (kept, not copied)."""
+        self.steps.append(_Step(hidden, dict(zip(req_ids, range(len(req_ids)))), pos, rows, start))
+        self.num_rows += len(hidden)
+        while self.num_rows > self.max_rows and len(self.steps) > 1:
+            self.num_rows -= len(self.steps.popleft().hidden)
+
+    def take(self, req_ids: list[str], ends: np.ndarray) -> list[torch.Tensor | None]:
+        """For each request, its kept rows ending just before position ends[i] ([n, H], oldest
+        first), or None; the log is emptied."""
+        spans = [self._span(rid, int(end)) for rid, end in zip(req_ids, ends)]
+        out = self._gather(spans)
+        self.steps.clear()
+        self.num_rows = 0
+        return out
+
+    def _span(self, rid: str, end: int) -> list[tuple[int, int, int]]:
+        """(step index, first row, rows) of the request's contiguous rows ending at end, newest
+        step first, at most cap rows."""
+        segs, n = [], 0
+        for e in range(len(self.steps) - 1, -1, -1):
+            s = self.steps[e]
+            j = s.where.get(rid)
+            if j is None or s.rows[j] == 0:
+                continue                        # not scheduled that step, or no known rows
+            if s.pos[j] + s.rows[j] != end:
+                break                           # a gap (a recomputed request, rows dropped)
+            take = min(int(s.rows[j]), self.cap - n)
+            segs.append((e, int(s.start[j] + s.rows[j] - take), take))
+            n, end = n + take, int(s.pos[j])
+            if n == self.cap:
+                break
+        return segs
+
+    def _gather(self, spans: list[list[tuple[int, int, int]]]) -> list[torch.Tensor | None]:
+        """The spans' rows, one indexed copy per step that has any."""
+        sizes = [sum(t for _, _, t in segs) for segs in spans]
+        total = sum(sizes)
+        if total == 0:
+            return [None] * len(spans)
+        first = self.steps[0].hidden
+        buf = torch.empty(total, first.shape[1], dtype=first.dtype, device=first.device)
+        src: dict[int, list[np.ndarray]] = {}
+        dst: dict[int, list[np.ndarray]] = {}
+        at = 0
+        for segs, size in zip(spans, sizes):
+            off = at + size
+            for e, r0, t in segs:               # newest first: fill from the span's end
+                off -= t
+                src.setdefault(e, []).append(np.arange(r0, r0 + t))
+                dst.setdefault(e, []).append(np.arange(off, off + t))
+            at += size
+        for e, s in src.items():
+            h = self.steps[e].hidden
+            to, frm = (torch.from_numpy(np.concatenate(x)).to(h.device) for x in (dst[e], s))
+            buf[to] = h[frm]
+        parts = torch.split(buf, sizes)
+        return [p if size else None for p, size in zip(parts, sizes)]

@@ -1,0 +1,118 @@
+"""While adaptive k keeps speculation off, the draft head runs nothing; its cache must still end
+up complete: the target's hidden states of the skipped positions are kept (DeferredSteps) and the
+next catch-up runs over them. Before, those positions stayed holes in the head's KV cache that
+every later draft of the request attended over (SmolLM2 at C1: acceptance 1.25 while adaptive,
+against 1.52 at a fixed k = 1, which kept adaptive k off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backboard import LLM, SamplingParams
+from backboard.spec_decode import adaptive
+from backboard.spec_decode.deferred import DeferredSteps
+from backboard.spec_decode.mtp_proposer import MTPProposer
+
+
+def _step(log: DeferredSteps, reqs: dict[str, tuple[int, int]], extra_rows: int = 1) -> torch.Tensor:
+    """One step off: reqs {req_id: (position, rows known)}, each request with extra_rows more rows
+    in the flat batch than it has known (its rows are the first ones). Returns hidden [T, 2]:
+    every row distinct."""
+    q = [n + extra_rows for _, n in reqs.values()]
+    start = np.concatenate([[0], np.cumsum(q)[:-1]]).astype(np.int64)
+    hidden = torch.randn(int(sum(q)), 2)
+    log.add(list(reqs), np.array([p for p, _ in reqs.values()]), np.array([n for _, n in reqs.values()]),
+            start, hidden)
+    return hidden
+
+
+def _rows(hidden: torch.Tensor, reqs: dict[str, tuple[int, int]], rid: str, extra_rows: int = 1) -> torch.Tensor:
+    at = 0
+    for r, (_, n) in reqs.items():
+        if r == rid:
+            return hidden[at:at + n]
+        at += n + extra_rows
+    raise KeyError(rid)
+
+
+def test_deferred_steps_spans():
+    log = DeferredSteps(cap=5, max_rows=100)
+    s1 = {"r": (10, 2)}
+    s2 = {"r": (12, 1)}
+    h1, h2 = _step(log, s1), _step(log, s2)
+    assert log.take(["r"], np.array([14])) == [None]        # not the span ending at 14
+    assert not log.steps                                      # the log is emptied by a take
+    h1, h2 = _step(log, s1), _step(log, s2)
+    out = log.take(["r"], np.array([13]))
+    assert torch.equal(out[0], torch.cat([_rows(h1, s1, "r"), _rows(h2, s2, "r")]))
+    assert log.take(["r"], np.array([13])) == [None]        # taken once
+    _step(log, {"r": (0, 2)})
+    h = _step(log, {"r": (5, 1)})                            # a gap: only the rows after it
+    assert torch.equal(log.take(["r"], np.array([6]))[0], h[:1])
+    c1, c2 = {"r": (0, 4)}, {"r": (4, 4)}
+    h1, h2 = _step(log, c1), _step(log, c2)                  # 8 rows > cap 5: the oldest 3 dropped
+    assert torch.equal(log.take(["r"], np.array([8]))[0], torch.cat([h1[:4], h2[:4]])[3:])
+
+
+def test_deferred_steps_many_requests():
+    """Requests interleaved in the flat batch, one absent from a step, one never deferred."""
+    log = DeferredSteps(cap=50, max_rows=100)
+    s1, s2, s3 = {"r": (0, 2), "s": (0, 3)}, {"s": (3, 1)}, {"s": (4, 1), "r": (2, 1)}
+    h1, h2, h3 = _step(log, s1), _step(log, s2), _step(log, s3)
+    s, r, t = log.take(["s", "r", "t"], np.array([5, 3, 0]))
+    assert torch.equal(s, torch.cat([_rows(h1, s1, "s"), _rows(h2, s2, "s"), _rows(h3, s3, "s")]))
+    assert torch.equal(r, torch.cat([_rows(h1, s1, "r"), _rows(h3, s3, "r")]))
+    assert t is None
+
+
+def test_deferred_steps_memory_bound():
+    """Past max_rows the oldest steps go: their positions become holes (the rows after them come
+    back alone)."""
+    log = DeferredSteps(cap=50, max_rows=6)
+    hs = [_step(log, {"r": (i, 1)}) for i in range(5)]      # 2 rows a step in the log
+    assert log.num_rows == 6 and len(log.steps) == 3
+    assert torch.equal(log.take(["r"], np.array([5]))[0], torch.cat([h[:1] for h in hs[2:]]))
+
+
+def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model, monkeypatch):
+    """Speculation on one step in three (k = 3), off otherwise: every position of every request
+    up to its last catch-up went through the head (contiguous from 0), and outputs stay those
+    without speculation."""
+    seen: dict[int, set[int]] = {}
+    real_forward, real_catch_up = MTPProposer._forward, MTPProposer.catch_up
+    state = {"catching_up": False, "step": 0}
+
+    def forward(self, ids, hidden, q_lens, num_computed, rows):
+        if state["catching_up"]:
+            for r, nc, q in zip(rows, num_computed, q_lens):
+                seen.setdefault(int(r), set()).update(range(int(nc), int(nc) + int(q)))
+        return real_forward(self, ids, hidden, q_lens, num_computed, rows)
+
+    def catch_up(self, plan, hidden):
+        state["catching_up"] = True
+        try:
+            return real_catch_up(self, plan, hidden)
+        finally:
+            state["catching_up"] = False
+
+    def choose(self, n):
+        state["step"] += 1
+        return 3 if state["step"] % 3 == 0 else 0
+
+    monkeypatch.setattr(MTPProposer, "_forward", forward)
+    monkeypatch.setattr(MTPProposer, "catch_up", catch_up)
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", choose)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in (7, 19, 30, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(soft_model, max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "draft_head", "draft_model": trained_draft_head[0],
+                                  "num_speculative_tokens": 3})
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert len(seen) == 4
+    for row, pos in seen.items():
+        assert pos == set(range(max(pos) + 1)), (row, sorted(set(range(max(pos) + 1)) - pos)[:10])
+        assert max(pos) > 30                # the head caught up well into the outputs
+    base = LLM(soft_model, max_num_seqs=4, max_model_len=256)
+    assert outs == [o.outputs[0].token_ids for o in base.generate(prompts, sp)]
