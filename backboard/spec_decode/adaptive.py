@@ -18,8 +18,12 @@ t_verify(rows) is a linear fit over decode steps (steps with prefill chunks are 
 rows cost differently); t_catchup is linear in the rows the head catches up on (a request's
 accepted drafts + 1 in steady state, a whole prompt after its prefill: fitted per request, those
 made a one-request catch-up look like 26 ms where it takes ~2); t_draft is linear in n.
-Tokens come from E(k), not from the whole steps: at one request a step emits 1 to k + 1 tokens,
-far noisier than its seconds; the acceptance pools every drafted position of every step.
+Tokens come from E(k) (the acceptance pools every drafted position of every step), its extra
+tokens scaled by the share of them that the measured whole steps with drafts at this size really
+gave (realized_share, shrunk toward 1 by STEP_TOKENS_WEIGHT requests): at one request a step
+emits 1 to k + 1 tokens, far noisier than its seconds, so E(k) ranks the ks and the share only
+corrects their level against k = 0; at sixteen the steps' own tokens lead, and a pooled
+acceptance inflated by the answers' easier openings no longer turns speculation on.
 
 With k = 0 the proposer runs no model (it only keeps the target's hidden states of the step, so
 that turning speculation back on catches its cache up instead of leaving holes), so speculation
@@ -63,31 +67,44 @@ class _LinearFit:
 
 
 PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
+STEP_TOKENS_WEIGHT = 32.0   # requests' worth of E(k) beside the measured steps' own tokens (realized_share)
 COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class and k)
 
 
 class _StepSeconds:
-    """Seconds of whole steps by key (batch class, k): the median of the last `keep` steps. (An
+    """Whole steps by key (batch class, k): their seconds, the median of the last `keep` steps (an
     exponentially weighted mean let one slow step, a GC pause or a noisy neighbour, stand for a k
     probed once in 32-64 steps: SmolLM2 at C1 rated k = 3 at 15.2 ms for 100 steps where its steps
-    took 12.2-12.9, chose k = 1 on 55% of the steps and ran 1.22x where k = 2-3 ran 1.34x.)"""
+    took 12.2-12.9, chose k = 1 on 55% of the steps and ran 1.22x where k = 2-3 ran 1.34x), and the
+    tokens they emitted per request, over the same steps."""
 
     def __init__(self, keep: int = 7, min_steps: int = 3, max_age: int = 256) -> None:
         self.keep, self.min_steps, self.max_age = keep, min_steps, max_age
-        self.samples: dict[tuple[int, int], list[float]] = {}
+        self.samples: dict[tuple[int, int], list[tuple[float, float, int]]] = {}   # (seconds, tokens, requests)
         self.last: dict[tuple[int, int], int] = {}             # key -> step of its newest sample
 
-    def add(self, key: tuple[int, int], seconds: float, step: int) -> None:
-        self.samples[key] = (self.samples.get(key, []) + [seconds])[-self.keep:]
+    def add(self, key: tuple[int, int], seconds: float, step: int, tokens: float = 0.0, n: int = 0) -> None:
+        """One step: its seconds, its tokens emitted over its n requests (0, 0: not counted)."""
+        self.samples[key] = (self.samples.get(key, []) + [(seconds, tokens, n)])[-self.keep:]
         self.last[key] = step
 
-    def mean(self, key: tuple[int, int], step: int) -> float | None:
-        """The median; None until min_steps steps were counted, or when the last is more than
+    def _recent(self, key: tuple[int, int], step: int) -> list[tuple[float, float, int]] | None:
+        """The samples; None until min_steps steps were counted, or when the last is more than
         max_age steps old (conditions change: the model and the probes decide again)."""
         s = self.samples.get(key)
         if s is None or len(s) < self.min_steps or step - self.last[key] > self.max_age:
             return None
-        return float(np.median(s))
+        return s
+
+    def mean(self, key: tuple[int, int], step: int) -> float | None:
+        """The median seconds, or None (_recent)."""
+        s = self._recent(key, step)
+        return None if s is None else float(np.median([x[0] for x in s]))
+
+    def tokens(self, key: tuple[int, int], step: int) -> tuple[float, int]:
+        """(tokens emitted, requests) over the same steps as mean(); (0, 0) when it is None."""
+        s = self._recent(key, step)
+        return (0.0, 0) if s is None else (float(sum(x[1] for x in s)), int(sum(x[2] for x in s)))
 
 
 def batch_class(n: int) -> int:
@@ -144,13 +161,14 @@ class AdaptiveK:
             self.catchup.add(catchup_rows, catchup_s)
             self.draft.add(n, draft_s_per_k)
 
-    def observe_step(self, n: int, k: int, seconds: float) -> None:
-        """A whole steady decode step: n requests, the drafts per request it verified (k) and the
+    def observe_step(self, n: int, k: int, seconds: float, tokens: int = 0) -> None:
+        """A whole steady decode step: n requests, the drafts per request it verified (k), the
         seconds from the previous step's start to this one's (the proposer leaves out steps
-        whose drafting caught up more than a steady step's rows: after an off stretch)."""
+        whose drafting caught up more than a steady step's rows: after an off stretch) and the
+        tokens it emitted (0: not known)."""
         key = (batch_class(n), k)
         if self._warm(key):
-            self.whole.add(key, seconds, self.steps)
+            self.whole.add(key, seconds, self.steps, tokens, n if tokens else 0)
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         d = 0.995
@@ -204,6 +222,21 @@ class AdaptiveK:
         t = self.model_seconds(n, k)
         return max(t + float(np.mean(misses)), 0.5 * t) if misses else t
 
+    def realized_share(self, n: int) -> float:
+        """What the measured whole steps with drafts at this size gave of the extra tokens E(k)
+        promised them (1: as promised), their requests shrunk toward 1 by STEP_TOKENS_WEIGHT. (The
+        acceptance pools every draft since the start, and a long run's drafts are mostly its
+        first steps': the answers' openings, easier to draft. SmolLM2 at C16 rated k = 1 at 1.64
+        tokens a request where its steps emitted 1.54-1.58 and ran 6% behind k = 0.) One share
+        for every k > 0: at one request a step's 1 to k + 1 tokens are noise, and ranking k = 1
+        against k = 2 by them chose worse than E(k) does (simulated, 1.27x vs 1.28x)."""
+        got = promised = 0.0
+        for k in range(1, self.k_max + 1):
+            tokens, reqs = self.whole.tokens((batch_class(n), k), self.steps)
+            got, promised = got + tokens - reqs, promised + reqs * (self.request_tokens(k) - 1.0)
+        w = STEP_TOKENS_WEIGHT * (self.request_tokens(1) - 1.0)
+        return (got + w) / (promised + w) if promised + w > 0 else 1.0
+
     def rates(self, n: int) -> np.ndarray:
         """[k_max + 1] expected tokens per second for each k."""
         measured = self._measured(n)
@@ -221,7 +254,9 @@ class AdaptiveK:
             self._probe_left -= 1
             return self._probe_k
         rates, measured = self.rates(n)
-        cand = 1 + int(np.argmax(rates[1:]))
+        cand = 1 + int(np.argmax(rates[1:]))                           # E(k) ranks the ks
+        extra = self.request_tokens(cand) - 1.0                         # its level: what steps gave
+        rates[cand] *= (1.0 + self.realized_share(n) * extra) / (1.0 + extra)
         best = cand if rates[cand] > self.margin * rates[0] else 0   # speculation must pay: off is never slower
         if self.steps >= self._next_probe:
             return self._probe(best, cand, rates)

@@ -126,7 +126,7 @@ class Proposer:
         self._caught_up = 0
         if steady and n:
             k = max((len(d) for d in plan.drafts), default=0)
-            self.adaptive.observe_step(n, k, now - last[0])
+            self.adaptive.observe_step(n, k, now - last[0], sum(len(t) for t in result.token_ids))
 
     def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float) -> None:
         lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
