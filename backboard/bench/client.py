@@ -163,8 +163,12 @@ async def send_backend_request(client: httpx.AsyncClient, base_url: str, backend
 
 
 def make_client(concurrency: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4,
-                          max_keepalive_connections=max(concurrency, 1) + 4)
+    """A connection per request, closed after it, as InferenceX's client makes them (an aiohttp
+    session per request). Kept alive, a pooled connection idle for about a server's keep-alive
+    timeout can be closed by the server as the next request goes out on it: llama-server (5 s)
+    dropped 2-48 requests of each C4-C64 run that way ("Server disconnected without sending a
+    response"; httpx also keeps idle connections 5 s)."""
+    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=0)
     return httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits,
                              trust_env=False)
 

@@ -57,6 +57,7 @@ class FakeState:
         self.requests: list[dict] = []
         self.paths: list[str] = []
         self.headers: list[dict] = []
+        self.client_ports: list[int] = []
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -77,6 +78,7 @@ def make_app(state: FakeState):
         state.requests.append(body)
         state.headers.append(dict(request.headers))
         state.paths.append(request.url.path)
+        state.client_ports.append(request.client.port)
         if state.fail_every and len(state.requests) % state.fail_every == 0:
             return JSONResponse({"error": "injected failure"}, status_code=500)
         limit = body["max_completion_tokens"] if chat else body["max_tokens"]
@@ -306,6 +308,22 @@ def test_json_error_in_stream_fails_the_request(fake):
     fake.state.bad_json = True
     out = _send(fake.url)
     assert not out.success and "invalid JSON" in out.error
+
+
+def test_a_connection_per_request(fake):
+    """As InferenceX's client: each request opens its own connection (no keep-alive reuse, which
+    raced llama-server's 5 s keep-alive timeout and lost requests)."""
+    from backboard.bench.client import completion_payload, make_client, send_request
+    from backboard.bench.dataset import BenchRequest
+
+    async def go():
+        async with make_client(4) as client:
+            for _ in range(3):
+                out = await send_request(client, fake.url + "/v1/completions",
+                                         completion_payload("m", BenchRequest("hi", 2, 4)), 2)
+                assert out.success
+    asyncio.run(go())
+    assert len(set(fake.state.client_ports)) == 3, fake.state.client_ports
 
 
 def test_connection_refused_is_recorded():
