@@ -121,6 +121,7 @@ class AdaptiveK:
         self.drafted = np.zeros(k_max)               # decayed counts of drafts reached / accepted
         self.covered = np.zeros(2)                   # decayed [requests given drafts, requests asked]
         self.accepted = np.zeros(k_max)
+        self._expected: np.ndarray | None = None     # [k_max + 1] E(k) of these counts (expected_tokens)
         # slow decay: mostly one row count is seen at a time, the probes keep the other one
         self.verify = _LinearFit(decay=0.98)
         self.catchup = _LinearFit()
@@ -171,6 +172,7 @@ class AdaptiveK:
             self.whole.add(key, seconds, self.steps, tokens, n if tokens else 0)
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
+        self._expected = None
         d = 0.995
         for j, (nd, na) in enumerate(zip(reached, accepted)):
             if j < self.k_max and nd:
@@ -188,8 +190,11 @@ class AdaptiveK:
         return float((self.covered[0] + 4.0) / (self.covered[1] + 4.0))
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens per step of a request that got k drafts."""
-        return 1.0 + float(np.sum(np.cumprod(self.acceptance()[:k]))) if k else 1.0
+        """E(k): tokens per step of a request that got k drafts. All ks at once, kept until the
+        next acceptance counts (a choice asks for them a dozen times: model, misses, share)."""
+        if self._expected is None:
+            self._expected = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance()))])
+        return float(self._expected[k])
 
     def request_tokens(self, k: int) -> float:
         """Tokens per step of a request, drafted or not: 1 + c (E(k) - 1). (Counting every
