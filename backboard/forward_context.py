@@ -39,6 +39,16 @@ class UniformGroup:
         return self.tok_start + self.num_reqs * self.L
 
 
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A prefix-cache checkpoint the step takes inside a prefill span: the GDN state (conv and
+    recurrent, every layer) after the span's first `offset` tokens goes to `slot` as well."""
+
+    span: int                               # prefill request index (0: the request at prefill_start)
+    offset: int                             # 0 < offset < the span's tokens
+    slot: int
+
+
 @dataclass
 class ForwardMeta:
     """Shapes: T tokens, B requests, M blocks per block-table row."""
@@ -55,6 +65,7 @@ class ForwardMeta:
     has_initial_state_cpu: np.ndarray       # [B]
     groups: list[UniformGroup] = field(default_factory=list)
     prefill_start: int = 0                  # first prefill request (== B when none)
+    state_snapshots: list[StateSnapshot] = field(default_factory=list)   # by span, then offset
 
     @property
     def num_reqs(self) -> int:

@@ -50,6 +50,10 @@ class SchedulerOutput:
     # GDN layer
     kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # prefix caching: checkpoints taken inside a prefill chunk, req_id -> [(p, slot)] by p: the GDN
+    # state after the request's first p tokens (num_computed < p < num_computed + scheduled) goes
+    # to slot too (ForwardMeta.state_snapshots)
+    state_snapshots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

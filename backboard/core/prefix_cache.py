@@ -31,25 +31,30 @@ nothing: at p = n - 1 of a prompt, at the end of a finished request (the next ch
 that token), and one token before a block boundary (shared by every request sharing the block).
 
 Where checkpoints come from:
-- prompt end, p = prompt_len - 1: the prefill stops a chunk there (one more 1-token step) and the
-  state is copied into a free slot before the next forward: the same prompt again recomputes one
-  token. (At p = prompt_len no extra step would be needed, but it serves only longer prompts.)
+- prompt end, p = prompt_len - 1: the same prompt again recomputes one token. (At p = prompt_len
+  it would serve only longer prompts.)
 - finished requests, p = num_tokens - 1 (every token but the last sampled one): zero-copy, the
   request's current slot is handed to the checkpoint instead of freed. That slot holds the state
   after the last accepted verify row, which never saw a rejected draft (each verify row's state
   has its own slot). The next chat turn resends history + answer + new text: it resumes there.
-- every `checkpoint_interval` tokens of a prompt (p = k * interval - 1): chunks stop there.
+- every `checkpoint_interval` tokens of a prompt (p = k * interval - 1).
 - a hinted segment end, p = prefix_hint - 1: the front end passes where a chat prompt's system
   messages and tools end (server/prefix_hint.py), so the next conversation sharing them resumes
   there, even the first one to arrive after this request.
 - branch points: when a new request's prefix matches cached KV blocks further than its best
   checkpoint (a shared system prompt), or the full blocks of a request waiting behind it, its
-  prefill stops at the last shared block's end - 1 and checkpoints there, so the next request
-  sharing that prefix resumes there.
+  prefill checkpoints at the last shared block's end - 1, so the next request sharing that prefix
+  resumes there.
+How a checkpoint at p is taken: a prefill chunk never stops at p. A chunk ending exactly at p
+leaves the state in the request's slot, copied into a free slot before the next forward; a chunk
+running past p gets a free slot in SchedulerOutput.state_snapshots and the step's GDN layers cut
+the span at p and copy the state there (layers/state_snapshots.py); the checkpoint is made after
+the step either way. (Stopping the chunk at p cost a step more: at concurrency 1 a whole pass over
+the weights before the first token.)
 Requests sharing a prefix that one of them is computing (a wave arriving together): a waiting
 request whose best checkpoint is shorter than its shared full blocks with a running request
 (a "leader") that has not computed past the branch point b = shared * block_size - 1 waits
-(`wait_for_leader`): the leader's prefill gets a chunk stop at b if it lacks one, and the waiting
+(`wait_for_leader`): the leader's prefill gets a checkpoint at b if it lacks one, and the waiting
 request is admitted once the leader's checkpoint exists (it then resumes at b) or the leader has
 passed b without one (no slot for it). It never starves: the leader must be running and not
 paused, and a request waits at most MAX_WAIT_STEPS steps in all. Requests behind it in the queue
@@ -175,7 +180,7 @@ class CacheHit:
     block_ids: list[int] = field(default_factory=list)   # shared full blocks
     partial_src: int | None = None        # block copied into the request's block at p // bs
     checkpoint: StateCheckpoint | None = None
-    stops: list[int] = field(default_factory=list)       # positions where a chunk must end
+    stops: list[int] = field(default_factory=list)       # checkpoint positions of its prefill
 
 
 @dataclass
@@ -199,7 +204,8 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.kv_block_copies: list[tuple[int, int]] = []
         self.state_copies: list[tuple[int, int]] = []
-        self._stops: dict[str, list[int]] = {}          # request id -> chunk stops ahead
+        self._stops: dict[str, list[int]] = {}          # request id -> checkpoint positions ahead
+        self._pending: dict[str, list[tuple[int, int]]] = {}   # request id -> this step's snapshots
         self._num_registered: dict[str, int] = {}       # request id -> blocks registered
         self._waited: dict[str, int] = {}               # request id -> steps waited for a leader
         self._min_tokens = self.bs                       # a checkpoint saves at least a block
@@ -208,7 +214,7 @@ class PrefixCache:
 
     # ---- admission -----------------------------------------------------------------------
     def lookup(self, req: Request, peers: Iterable[Request] = ()) -> CacheHit:
-        """Where a request without blocks resumes, and the chunk stops of its prefill (branch
+        """Where a request without blocks resumes, and the checkpoints of its prefill (branch
         points with the cached blocks and with `peers`, the requests waiting behind it)."""
         if req.sampling_params.prompt_logprobs is not None:
             return CacheHit()
@@ -223,33 +229,35 @@ class PrefixCache:
         self._stops[req.request_id] = hit.stops
         return hit
 
-    def wait_for_leader(self, req: Request, leaders: Iterable[Request]) -> bool:
+    def wait_for_leader(self, req: Request, leaders: Iterable[tuple[Request, int]]) -> bool:
         """Should waiting `req` wait a step for a running leader's checkpoint at a longer shared
-        prefix than any checkpoint it has now? Gives the leader a chunk stop there if needed."""
+        prefix than any checkpoint it has now? Gives the leader a checkpoint there if needed.
+        leaders: (request, tokens it had computed before this step's chunk)."""
         rid = req.request_id
         if self.states is None or req.sampling_params.prompt_logprobs is not None \
                 or self._waited.get(rid, 0) >= MAX_WAIT_STEPS:
             return False
         ck = self.store.find(request_block_hashes(req, self.bs), req.all_token_ids, req.num_tokens - 1)
         have = max(ck.num_tokens if ck is not None else 0, self._min_tokens - 1)
-        for b, leader in sorted(((num_shared_blocks(req, r, self.bs) * self.bs - 1, r) for r in leaders),
-                                key=lambda t: -t[0]):
+        for b, leader, done in sorted(((num_shared_blocks(req, r, self.bs) * self.bs - 1, r, c) for r, c in leaders),
+                                      key=lambda t: -t[0]):
             if b <= have:
                 break
-            if self._promise(leader, b):
+            if self._promise(leader, b, done):
                 self._waited[rid] = self._waited.get(rid, 0) + 1
                 self.stats.leader_waits += 1
                 return True
         return False
 
-    def _promise(self, leader: Request, b: int) -> bool:
-        """Will the leader checkpoint at b (after this step or a later one)? Adds the stop."""
+    def _promise(self, leader: Request, b: int, done: int) -> bool:
+        """Will the leader (done tokens computed before this step) checkpoint at b, in this step
+        or a later one? Adds the checkpoint position."""
         stops = self._stops.get(leader.request_id)
-        if stops is None or leader.num_computed_tokens > b:
+        if stops is None or done > b:
             return False
         if b not in stops:
-            if leader.num_computed_tokens == b:
-                return False                 # already there, without a stop: too late
+            if done == b:
+                return False                 # already there, without a checkpoint: too late
             bisect.insort(stops, b)
         return True
 
@@ -314,24 +322,54 @@ class PrefixCache:
             return 0
         return max(0, self.states.slots_per_request - self.states.num_free)
 
-    # ---- chunk stops ---------------------------------------------------------------------
-    def clamp(self, req: Request, n: int) -> int:
-        """Tokens to schedule: a prefill chunk ends at the next checkpoint position."""
-        stops = self._stops.get(req.request_id)
-        if stops:
-            return min(n, stops[0] - req.num_computed_tokens)
-        return n
+    # ---- checkpoints inside a chunk -----------------------------------------------------------
+    def snapshots(self, req: Request, n: int) -> list[tuple[int, int]]:
+        """The checkpoints req's chunk of n tokens, just scheduled (num_computed_tokens advanced
+        to its end c + n), takes inside itself (stops c < p < c + n): [(p, slot)], the slot filled
+        by the forward, the checkpoint made after the step (a stop at c + n is made after the step
+        from the request's own slot)."""
+        c, planned = req.num_computed_tokens - n, []
+        for p in self._stops.get(req.request_id) or ():
+            if p >= c + n:
+                break
+            if p > c and (slot := self._snapshot_slot(req, p)) is not None:
+                planned.append((p, slot))
+        if planned:
+            self._pending[req.request_id] = planned
+        return planned
+
+    def _snapshot_slot(self, req: Request, p: int) -> int | None:
+        """A slot for a checkpoint at p, or None (an equal one exists, or none is free)."""
+        j = p // self.bs
+        parent = request_block_hashes(req, self.bs)[j - 1] if j else ROOT_HASH
+        old = self.store.find_exact(parent, req.all_token_ids[j * self.bs:p + 1])
+        if old is not None:
+            self._use(old)
+            return None
+        return self._free_slot_for(self._age + self._score(p, -(-p // self.bs)))
+
+    def _settle(self, req: Request) -> None:
+        """The step ran: its snapshots become checkpoints (a slot left over goes back)."""
+        for p, slot in self._pending.pop(req.request_id, ()):
+            if self._checkpoint(req, p, slot, self._kind(req, p)) is None:
+                self.states.release(slot)
+
+    @staticmethod
+    def _kind(req: Request, p: int) -> str:
+        return "prompt" if p == req.num_prompt_tokens - 1 else "interval"
 
     # ---- after a step --------------------------------------------------------------------
     def after_step(self, req: Request) -> None:
         """A running request's step is done (rejected drafts rolled back): register its full
-        blocks and checkpoint its state if its chunk ended at a checkpoint position."""
+        blocks, make the checkpoints its chunk took inside itself, and checkpoint its state if
+        its chunk ended at a checkpoint position."""
         self._register_blocks(req)
+        self._settle(req)
         stops = self._stops.get(req.request_id)
         p = req.num_computed_tokens
         while stops and stops[0] <= p:
             if stops.pop(0) == p:
-                self._checkpoint(req, p, None, "prompt" if p == req.num_prompt_tokens - 1 else "interval")
+                self._checkpoint(req, p, None, self._kind(req, p))
 
     def _register_blocks(self, req: Request) -> None:
         rid = req.request_id
@@ -384,6 +422,7 @@ class PrefixCache:
         """Before a request's blocks and slots are freed. A finished request hands its current
         state slot to a checkpoint: returns that slot (the caller must not free it)."""
         self._register_blocks(req)
+        self._settle(req)
         self._stops.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
         self._waited.pop(req.request_id, None)

@@ -195,7 +195,7 @@ class Scheduler:
             req = self.fair.next_waiting(self.waiting, waits)
             if req is None:
                 break
-            if self.prefix is not None and self.prefix.wait_for_leader(req, self._leaders()):
+            if self.prefix is not None and self.prefix.wait_for_leader(req, self._leaders(num_scheduled)):
                 waits.add(req.request_id)
                 continue
             admitted = self._admit(req, budget)
@@ -217,6 +217,7 @@ class Scheduler:
             finished_req_ids=self._finished_for_runner, num_spec_tokens=self.num_spec_tokens)
         if self.prefix is not None:
             out.kv_block_copies, out.state_copies = self.prefix.take_copies()
+            out.state_snapshots = self._snapshots(num_scheduled)
         self._finished_for_runner = set()
         return out
 
@@ -226,14 +227,21 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         # never past the context (drafts beyond it are dropped)
         n = min(n, budget, self.cfg.max_model_len - req.num_computed_tokens)
-        n = self.fair.token_cap(req, n)
-        if self.prefix is not None:
-            n = self.prefix.clamp(req, n)
-        return n
+        return self.fair.token_cap(req, n)
 
-    def _leaders(self) -> list[Request]:
-        """Running requests a waiting one may wait for (not paused)."""
-        return [r for r in self.running if not self.fair.is_paused(r)]
+    def _snapshots(self, num_scheduled: dict[str, int]) -> dict[str, list[tuple[int, int]]]:
+        """Checkpoints the step's prefill chunks take inside themselves (planned once every
+        request is scheduled: a leader's promise made this step is kept in this step)."""
+        if self.states is None:
+            return {}
+        planned = ((rid, self.prefix.snapshots(self.requests[rid], n)) for rid, n in num_scheduled.items() if n > 1)
+        return {rid: snaps for rid, snaps in planned if snaps}
+
+    def _leaders(self, num_scheduled: dict[str, int]) -> list[tuple[Request, int]]:
+        """Running requests a waiting one may wait for (not paused), with the tokens each had
+        computed before its chunk of this step."""
+        return [(r, r.num_computed_tokens - num_scheduled.get(r.request_id, 0))
+                for r in self.running if not self.fair.is_paused(r)]
 
     def _peers(self, req: Request) -> list[Request]:
         """Waiting requests behind `req` whose shared prefix it should checkpoint (a window)."""

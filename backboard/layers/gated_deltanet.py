@@ -19,6 +19,7 @@ from backboard.distributed.shard import TensorSlice, even_range, scaled, set_sha
 from backboard.forward_context import get_forward_context
 from backboard.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from backboard.layers.rows import join_rows
+from backboard.layers.state_snapshots import prefill_with_snapshots
 from backboard.ops import dispatch
 
 
@@ -77,9 +78,18 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                  meta) -> torch.Tensor:
-        """Prefill spans (the chunked form). proj [P, ...] -> [P, nv*dv]."""
-        return dispatch.gdn_prefill(
-            proj, self.conv1d_weight, conv_state, self.A_log, self.dt_bias, self.norm_weight,
-            ssm_state, meta.prefill_cu_seqlens(), meta.state_slots[meta.prefill_start:],
-            meta.has_initial_state[meta.prefill_start:], num_k_heads=self.nk,
-            num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv, eps=self.eps)
+        """Prefill spans (the chunked form), with the state snapshots the step takes inside them
+        (layers/state_snapshots.py). proj [P, ...] -> [P, nv*dv]."""
+        def run(rows: torch.Tensor, cu_seqlens: list[int], slots: torch.Tensor,
+                has_initial_state: torch.Tensor) -> torch.Tensor:
+            return dispatch.gdn_prefill(
+                rows, self.conv1d_weight, conv_state, self.A_log, self.dt_bias, self.norm_weight,
+                ssm_state, cu_seqlens, slots, has_initial_state, num_k_heads=self.nk,
+                num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv, eps=self.eps)
+
+        ps = meta.prefill_start
+        slots, init = meta.state_slots[ps:], meta.has_initial_state[ps:]
+        if not meta.state_snapshots:
+            return run(proj, meta.prefill_cu_seqlens(), slots, init)
+        return prefill_with_snapshots(run, proj, meta.prefill_cu_seqlens(), slots, init,
+                                      meta.state_snapshots, (conv_state, ssm_state))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from backboard.core.outputs import SchedulerOutput, TokenLogprobs
+from backboard.forward_context import StateSnapshot
 from backboard.spec_decode.verify import verify_dst_slots
 from backboard.worker.input_batch import InputBatch, StepInputs, build_step, group_order
 
@@ -85,6 +86,9 @@ def prepare_step(so: SchedulerOutput, batch: InputBatch, block_size: int,
     dst = verify_dst_slots(batch, rows, drafts) if so.spec_decode_tokens else None
     inputs = build_step(input_ids, q_lens, num_computed, block_table, batch.cur_slot[rows], dst, block_size,
                         device)
+    if so.state_snapshots:
+        inputs.meta.state_snapshots = _snapshots(so.state_snapshots, req_ids, num_computed,
+                                                 inputs.meta.prefill_start)
     sample_mask = num_computed + q_lens >= batch.num_tokens[rows]
     plan = StepPlan(req_ids, rows, q_lens, num_computed, drafts, is_spec, sample_mask,
                     np.zeros(0, dtype=np.int64), np.zeros(len(rows), dtype=np.int64), inputs, dst)
@@ -111,6 +115,13 @@ def _scheduled(so: SchedulerOutput, batch: InputBatch):
     order = group_order(q_lens, is_spec)
     return ([req_ids[i] for i in order], rows[order], q_lens[order], num_computed[order],
             [drafts[i] for i in order], is_spec[order])
+
+
+def _snapshots(planned: dict[str, list[tuple[int, int]]], req_ids: list[str], num_computed: np.ndarray,
+               prefill_start: int) -> list[StateSnapshot]:
+    """The scheduler's (position, slot) per request as (prefill span, offset, slot)."""
+    return [StateSnapshot(i - prefill_start, p - int(num_computed[i]), slot)
+            for i, rid in enumerate(req_ids) if rid in planned for p, slot in planned[rid]]
 
 
 def _choose_logit_rows(plan: StepPlan, qsl: np.ndarray) -> None:

@@ -122,13 +122,13 @@ def test_cached_equals_uncached(models, reference, draft_head, kind, spec, setti
 
 
 def test_caching_off_is_off(models):
-    """--no-enable-prefix-caching: no chunk stops, no copies, no cached blocks, no checkpoints."""
+    """--no-enable-prefix-caching: no snapshots, no copies, no cached blocks, no checkpoints."""
     llm = LLM(models["hybrid"], max_model_len=LEN, enable_prefix_caching=False)
     p = _prompts()["A"]
     llm.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
     so = llm.engine.scheduler.schedule()
     assert so.num_scheduled_tokens == {next(iter(so.num_scheduled_tokens)): len(p)}
-    assert not so.kv_block_copies and not so.state_copies
+    assert not so.kv_block_copies and not so.state_copies and not so.state_snapshots
     llm.engine.scheduler.update_from_output(so, llm.engine.runner.execute_model(so))
     while llm.has_unfinished_requests():
         llm.step()

@@ -2,9 +2,10 @@
 
 Each KV block position holds (position, token id) as the attention layers would write it, each
 state slot holds the token ids a GDN state has absorbed. The worker executes SchedulerOutput's
-copies, checks that every request it computes starts from caches holding exactly its own prefix
-(KV of every position < num_computed_tokens, the state after exactly those tokens), then "runs"
-a deterministic greedy model: verify rows write their states into verify_slot_order's slots,
+copies and the snapshots a step takes inside a prefill chunk, checks that every request it
+computes starts from caches holding exactly its own prefix (KV of every position <
+num_computed_tokens, the state after exactly those tokens), then "runs" a deterministic greedy
+model: verify rows write their states into verify_slot_order's slots,
 drafts are accepted while they equal the model's choice. Any bookkeeping error of the scheduler
 or the prefix cache shows up as a wrong cache content or as output that differs from `greedy`."""
 
@@ -74,7 +75,8 @@ class SimWorker:
         ids, sampled, spec = [], [], []
         for rid, n in so.num_scheduled_tokens.items():
             ids.append(rid)
-            sampled.append(self._run(self.reqs[rid], n, so.spec_decode_tokens.get(rid, [])))
+            sampled.append(self._run(self.reqs[rid], n, so.spec_decode_tokens.get(rid, []),
+                                     so.state_snapshots.get(rid, [])))
             spec.append(self._propose(self.reqs[rid], so.num_spec_tokens) if sampled[-1] else [])
         return ModelRunnerOutput(ids, sampled, [None] * len(ids),
                                  spec_token_ids=spec if so.num_spec_tokens else None)
@@ -89,7 +91,7 @@ class SimWorker:
         if nc:
             self.num_checked_resumes += 1
 
-    def _run(self, r: _Req, n: int, drafts: list[int]) -> list[int]:
+    def _run(self, r: _Req, n: int, drafts: list[int], snapshots: list[tuple[int, int]]) -> list[int]:
         nc = r.num_computed
         seq = r.tokens + list(drafts)
         if r.slots and nc:
@@ -102,6 +104,10 @@ class SimWorker:
                 self.state[s] = tuple(seq[:nc + j + 1])
         elif r.slots:
             self.state[r.cur] = tuple(seq[:nc + n])
+        for p, slot in snapshots:                       # the state after p tokens, taken mid-chunk
+            assert not drafts and nc < p < nc + n, f"snapshot at {p} outside the chunk {nc}..{nc + n}"
+            assert slot not in r.slots, "a snapshot into the request's own slot"
+            self.state[slot] = tuple(seq[:p])
         if nc + n < len(r.tokens):
             return []                                   # mid-prompt chunk
         out = []

@@ -136,16 +136,17 @@ def test_caching_off_changes_nothing():
 
 # ---- hybrid models: state checkpoints ---------------------------------------------------------
 def test_hybrid_prompt_end_checkpoint_then_same_prompt_again():
+    """The prompt-end checkpoint (29 = P - 1) is taken inside the prompt's one chunk: no step
+    more before the first token; the same prompt again resumes there."""
     s, w = make(slots=16)
     a = prompt(4, 30)
     add(s, "a", a, max_tokens=1)
     so = s.schedule()
-    assert so.num_scheduled_tokens == {"a": 29}               # the chunk stops at 29 = P - 1
-    s.update_from_output(so, w.execute(so))
-    so = s.schedule()
-    assert so.num_scheduled_tokens == {"a": 1} and len(so.state_copies) == 1   # saved before the forward
-    s.update_from_output(so, w.execute(so))
-    assert len(s.prefix.store) == 2              # prompt end (29) and the finished request (30)
+    assert so.num_scheduled_tokens == {"a": 30} and len(so.state_snapshots["a"]) == 1
+    assert so.state_snapshots["a"][0][0] == 29
+    outs = s.update_from_output(so, w.execute(so))
+    assert outs[0].new_token_ids and not s.has_unfinished_requests()     # one step, done
+    assert sorted(c.num_tokens for c in s.prefix.store) == [29, 30]   # prompt end, the finished request
     add(s, "a2", a, max_tokens=4)
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 29 and so.num_scheduled_tokens == {"a2": 1}
@@ -157,6 +158,22 @@ def test_hybrid_prompt_end_checkpoint_then_same_prompt_again():
     assert out["a2"][-3:] == greedy(a, 4, VOCAB)[1:]
 
 
+def test_hybrid_snapshot_slot_comes_back_when_its_checkpoint_exists():
+    """An equal checkpoint made while the step ran (by another request of the step): the
+    snapshot's slot goes back to the pool instead of a second checkpoint."""
+    s, w = make(slots=16)
+    a = prompt(4, 30)
+    add(s, "a", a, max_tokens=1)
+    so = s.schedule()
+    (p, slot), = so.state_snapshots["a"]
+    s.prefix._checkpoint(s.requests["a"], p, s.states.take(), "prompt")     # the other request's
+    free = s.states.num_free
+    s.update_from_output(so, w.execute(so))
+    assert s.states.num_free == free + 1 and slot in s.states._free          # a's own slot: the finish checkpoint
+    assert sorted(c.num_tokens for c in s.prefix.store) == [29, 30]
+    s.check_integrity()
+
+
 def test_hybrid_multi_turn_resumes_from_the_finished_request():
     s, w = make(slots=16)
     p1 = prompt(5, 25)
@@ -166,8 +183,8 @@ def test_hybrid_multi_turn_resumes_from_the_finished_request():
     add(s, "t2", p2, max_tokens=5)
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 25 + 7 - 1   # every token but the last sampled
-    s.update_from_output(so, w.execute(so))
-    out2 = run(s, w)["t2"]
+    first = s.update_from_output(so, w.execute(so))[0].new_token_ids    # the rest of the prompt: a token
+    out2 = first + run(s, w)["t2"]
     assert out2 == greedy(p2, 5, VOCAB)
 
 
@@ -193,21 +210,23 @@ def test_hybrid_branch_point_checkpoint_serves_the_third_request():
     run(s, w)
     add(s, "b", system + prompt(9, 10))
     so = s.schedule()
-    # b has a's 6 blocks cached but no state for them: it computes from 0 and stops at 23
-    assert so.new_reqs[0].num_computed_tokens == 0 and so.num_scheduled_tokens == {"b": 23}
+    # b has a's 6 blocks cached but no state for them: it computes from 0, checkpointing at 23
+    assert so.new_reqs[0].num_computed_tokens == 0 and so.num_scheduled_tokens == {"b": 34}
+    assert [p for p, _ in so.state_snapshots["b"]] == [23, 33]      # and at its prompt's end
     s.update_from_output(so, w.execute(so))
     run(s, w)
     add(s, "c", system + prompt(10, 10))
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 23
-    s.update_from_output(so, w.execute(so))
-    assert run(s, w)["c"] == greedy(system + prompt(10, 10), 6, VOCAB)
+    first = s.update_from_output(so, w.execute(so))[0].new_token_ids
+    assert first + run(s, w)["c"] == greedy(system + prompt(10, 10), 6, VOCAB)
 
 
 def test_hybrid_wave_sharing_a_cached_prefix_waits_for_the_first_checkpoint():
     """a leaves the system prompt's blocks but no state at the branch point; b, c, d arrive
-    together: b computes from 0 and stops at the branch point, c and d wait one step for its
-    checkpoint and resume there, while e (no shared prefix) is admitted past them."""
+    together: b computes from 0 and checkpoints at the branch point inside its chunk, c and d
+    wait one step for that checkpoint and resume there, while e (no shared prefix) is admitted
+    past them."""
     s, w = make(slots=16)
     system = prompt(7, 24)
     add(s, "a", system + prompt(8, 10))
@@ -217,7 +236,8 @@ def test_hybrid_wave_sharing_a_cached_prefix_waits_for_the_first_checkpoint():
         add(s, r, p)
     add(s, "e", prompt(64, 12))
     so = s.schedule()
-    assert [n.req_id for n in so.new_reqs] == ["b", "e"] and so.num_scheduled_tokens["b"] == 23
+    assert [n.req_id for n in so.new_reqs] == ["b", "e"] and so.num_scheduled_tokens["b"] == 32
+    assert so.state_snapshots["b"][0][0] == 23                 # (32: the prefill share of a contended step)
     s.update_from_output(so, w.execute(so))
     so = s.schedule()
     assert {n.req_id: n.num_computed_tokens for n in so.new_reqs} == {"c": 23, "d": 23}
@@ -228,13 +248,14 @@ def test_hybrid_wave_sharing_a_cached_prefix_waits_for_the_first_checkpoint():
 
 
 def test_hybrid_cold_wave_checkpoints_where_the_waiting_requests_branch():
-    """Nothing cached: the first of a wave stops where the requests behind it branch off."""
+    """Nothing cached: the first of a wave checkpoints where the requests behind it branch off."""
     s, w = make(slots=16)
     system = prompt(7, 26)
     for i in range(3):
         add(s, f"w{i}", system + prompt(70 + i, 9))
     so = s.schedule()
-    assert [n.req_id for n in so.new_reqs] == ["w0"] and so.num_scheduled_tokens["w0"] == 23
+    assert [n.req_id for n in so.new_reqs] == ["w0"] and so.num_scheduled_tokens["w0"] == 32
+    assert so.state_snapshots["w0"][0][0] == 23
     s.update_from_output(so, w.execute(so))
     so = s.schedule()
     assert {n.req_id: n.num_computed_tokens for n in so.new_reqs} == {"w1": 23, "w2": 23}
@@ -277,27 +298,26 @@ def test_hybrid_prefix_hint_checkpoints_where_the_system_part_ends():
     s.add_request(Request(EngineCoreRequest("a", system + prompt(8, 10), SamplingParams(max_tokens=3,
                                             ignore_eos=True), prefix_hint=22), max_model_len=512))
     so = s.schedule()
-    assert so.num_scheduled_tokens == {"a": 21}
+    assert so.num_scheduled_tokens == {"a": 32} and so.state_snapshots["a"][0][0] == 21
     s.update_from_output(so, w.execute(so))
     run(s, w)
     b = system + prompt(9, 10)
     add(s, "b", b)
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 21 and len(so.kv_block_copies) == 1
-    s.update_from_output(so, w.execute(so))
-    assert run(s, w)["b"] == greedy(b, 6, VOCAB)
+    first = s.update_from_output(so, w.execute(so))[0].new_token_ids
+    assert first + run(s, w)["b"] == greedy(b, 6, VOCAB)
 
 
 def test_hybrid_interval_checkpoints_every_n_tokens():
     s, w = make(slots=32, interval=8, budget=256)
     a = prompt(11, 40)
     add(s, "a", a, max_tokens=1)
-    chunks = []
-    while s.has_unfinished_requests():
-        so = s.schedule()
-        chunks.append(so.num_scheduled_tokens.get("a", 0))
-        s.update_from_output(so, w.execute(so))
-    assert chunks == [7, 8, 8, 8, 8, 1]           # stops at 7, 15, 23, 31 and 39 = P - 1
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 40}          # one chunk, checkpoints inside it
+    assert [p for p, _ in so.state_snapshots["a"]] == [7, 15, 23, 31, 39]     # 39 = P - 1
+    s.update_from_output(so, w.execute(so))
+    assert not s.has_unfinished_requests()
     add(s, "b", a[:21] + prompt(12, 10))         # shares 21 tokens: resumes at 15
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 15
