@@ -165,26 +165,34 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.float()
     large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
     if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
-        y = _native(x2, w, bias)
+        y = _native(x2, w, bias, native_row_block(mod))
         y = y.float() if out_fp32 else y
     else:
         y = mod.linear_bf16(x2, w, bias, out_fp32, large)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
-# oneDNN builds (JIT-compiles) a kernel for every new (M, N, K): 5-7 ms per weight shape, 30-60 ms
-# of a 1000-token prefill of the benchmark checkpoint (+30-60%), paid by nearly every served prompt
-# since their lengths differ. The native path pads M to a multiple of this, so oneDNN only ever
-# sees a few row counts (warm_native compiles them at start-up). Padding 1000 rows to 1024 cost
-# ~2 ms of ~105; splitting off the M % 128 rest to the AMX kernel cost 4-8 ms (2 SPR cores).
-NATIVE_ROW_BLOCK = 64
+# oneDNN builds (JIT-compiles) a kernel for every new (M, N, K): with AMX 5-7 ms per weight shape,
+# 30-60 ms of a 1000-token prefill of the benchmark checkpoint (+30-60%), paid by nearly every
+# served prompt since their lengths differ. The native path pads M to a multiple of a row block, so
+# oneDNN only ever sees a few row counts (warm_native compiles them at start-up). With AMX the block
+# is 64 rows (padding 1000 rows to 1024 cost ~2 ms of ~105; splitting off the M % 128 rest to the
+# AMX kernel cost 4-8 ms, 2 SPR cores). Without AMX the compile is ~1 ms a shape and the padding was
+# the cost: the benchmark checkpoint's 32 GEMMs of a 270-token prompt (InferenceX's 256-token
+# prompts re-tokenized) took 24.3 ms padded to 320 rows, 20.0 ms at 270 (2 Zen 5 cores); a
+# 16-row block wastes at most 15 rows and warms 4x the row counts (~6 ms each for that model).
+NATIVE_ROW_BLOCK_AMX, NATIVE_ROW_BLOCK = 64, 16
 
 
-def _native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """torch's bf16 matmul (oneDNN) on x padded with zero rows to a multiple of NATIVE_ROW_BLOCK.
+def native_row_block(mod) -> int:
+    return NATIVE_ROW_BLOCK_AMX if mod.amx() else NATIVE_ROW_BLOCK
+
+
+def _native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
+    """torch's bf16 matmul (oneDNN) on x padded with zero rows to a multiple of `block`.
     x [M, K] bf16 -> [M, N] bf16 (a view of the padded product's first M rows)."""
     M, K = x.shape
-    pad = -M % NATIVE_ROW_BLOCK
+    pad = -M % block
     if pad == 0:
         return F.linear(x, w, bias)
     xp = torch.cat([x, x.new_zeros(pad, K)])
@@ -197,7 +205,7 @@ def native_row_counts(max_rows: int, mod=None) -> list[int]:
     mod = mod or module()
     if mod is None or POLICY[mod.isa()][2] != "native":
         return []
-    B = NATIVE_ROW_BLOCK
+    B = native_row_block(mod)
     first = (_rows_max(mod, False, True) // B + 1) * B     # the smallest padded M above the rows path
     return list(range(first, -(-max_rows // B) * B + 1, B))
 
