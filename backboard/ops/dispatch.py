@@ -52,6 +52,7 @@ from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
 from backboard.ops.rotary import qk_norm_rope_write_kv_ref
+from backboard.ops.sampling import sample_inverse_cdf_ref
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
             and logits.stride(1) == 1 and use_cpu_decode_ops(logits):
         return cpu_ops.argmax_rows(logits)
     return logits.argmax(-1)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """See ops.sampling.sample_inverse_cdf_ref: probs [R, V], u [R] -> token ids [R]; the C++ kernel
+    on the CPU (fp32 rows, contiguous), else the reference."""
+    if probs.dim() == 2 and probs.dtype == torch.float32 and probs.shape[1] > 0 \
+            and probs.stride(1) == 1 and use_cpu_decode_ops(probs):
+        return cpu_ops.sample_inverse_cdf(probs, u.to(torch.float64).contiguous())
+    return sample_inverse_cdf_ref(probs, u)
 
 
 def _cpu_kernels_on(device: torch.device) -> bool:

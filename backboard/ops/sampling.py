@@ -52,9 +52,30 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
+def sample_inverse_cdf_ref(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample i with probability probs[i] / sum(probs) as the first index whose running sum (fp64)
+    exceeds u * sum: probs [R, V] >= 0, u [R] fp64 in [0, 1) -> int64 [R]. One uniform a row (the
+    exponential race needs V exponentials). A row without a positive finite sum: its argmax."""
+    c = probs.double().cumsum(-1)
+    total = c[:, -1]
+    idx = torch.searchsorted(c, (u.double() * total)[:, None], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    bad = ~(torch.isfinite(total) & (total > 0))
+    return torch.where(bad, probs.argmax(-1), idx)
+
+
+def seeded_uniform(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fp64 uniform in [0, 1) that depends only on (seed, position), as seeded_noise. [1]"""
+    return torch.rand(1, dtype=torch.float64, generator=_seeded_generator(seed, position, device), device=device)
+
+
+def _seeded_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63))
+    return g
+
+
 def seeded_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Exp(1) noise that depends only on (seed, position): the same token whatever else is in
     the batch, across preemption and speculative decoding."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63))
+    g = _seeded_generator(seed, position, device)
     return torch.empty(vocab, device=device).exponential_(generator=g)

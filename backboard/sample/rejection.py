@@ -9,11 +9,13 @@ draft equals the target's argmax". The output distribution is exactly the target
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
 from backboard.ops import dispatch
-from backboard.ops.sampling import exponential_race, seeded_noise
+from backboard.ops.sampling import seeded_noise
 from backboard.sample.metadata import SamplingMetadata, SpecDecodeMetadata
 from backboard.sample.sampler import Sampler, process_logits, target_probs
 
@@ -21,12 +23,13 @@ _ACCEPT_STREAM = 1 << 40   # offset of the acceptance stream of seeded rows
 
 
 def rejection_sample(p: torch.Tensor, draft_ids: torch.Tensor, has_draft: torch.Tensor,
-                     uniforms: torch.Tensor, noise: torch.Tensor,
+                     uniforms: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor],
                      draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row. p [R, V] target probs; draft_ids [R] (the draft this row judges; any value where
-    has_draft is False); uniforms [R] in [0, 1); noise [R, V] Exp(1); draft_probs [R, V] or None
-    (one-hot drafts). Returns accept [R] bool (False where no draft) and the token [R] to emit if
-    this row is the first rejected one (residual sample) or the bonus row (sample of p)."""
+    has_draft is False); uniforms [R] in [0, 1); draw: normalised probs [R, V] -> one token a row
+    (Sampler.draw); draft_probs [R, V] or None (one-hot drafts). Returns accept [R] bool (False
+    where no draft) and the token [R] to emit if this row is the first rejected one (residual
+    sample) or the bonus row (sample of p)."""
     d = draft_ids.clamp(min=0).long()
     p_d = p.gather(-1, d[:, None])[:, 0]
     if draft_probs is None:
@@ -41,7 +44,7 @@ def rejection_sample(p: torch.Tensor, draft_ids: torch.Tensor, has_draft: torch.
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
     residual = residual / residual.sum(-1, keepdim=True)
-    return accept, exponential_race(residual, noise)
+    return accept, draw(residual)
 
 
 def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, spec: SpecDecodeMetadata, sampler: Sampler,
@@ -62,12 +65,12 @@ def verify_drafts(logits: torch.Tensor, md: SamplingMetadata, spec: SpecDecodeMe
         accept = torch.from_numpy(has_draft).to(token.device) & (token == torch.from_numpy(draft_ids).to(token.device))
         return _collect(spec, accept.tolist(), token.tolist())
     p = target_probs(processed, md)
-    noise = sampler.noise(R, p.shape[1], md, p.device)
     u = torch.rand(R, generator=sampler.generator, device=p.device)
     for row, seed, pos in md.seeds or ():
         u[row] = torch.exp(-seeded_noise(seed, pos + _ACCEPT_STREAM, 1, p.device)[0])
     accept, token = rejection_sample(p, torch.from_numpy(draft_ids).to(p.device),
-                                     torch.from_numpy(has_draft).to(p.device), u, noise, draft_probs)
+                                     torch.from_numpy(has_draft).to(p.device), u,
+                                     lambda probs: sampler.draw(probs, md), draft_probs)
     return _collect(spec, accept.tolist(), token.tolist())
 
 

@@ -7,22 +7,32 @@ import math
 import pytest
 import torch
 
+from backboard.ops import dispatch
+from backboard.ops.sampling import exponential_race
 from backboard.sample.rejection import rejection_sample
 
 V, N = 6, 60000
 
 
-def _trial(p, q, accept_rule=None, seed=0, draft_probs=True):
+def _draw(kind, g):
+    """Sampler.draw's two forms: the exponential race (GPUs) and the inverse CDF (the CPU)."""
+    if kind == "race":
+        return lambda probs: exponential_race(probs, torch.empty(probs.shape).exponential_(generator=g))
+    return lambda probs: dispatch.sample_inverse_cdf(
+        probs, torch.rand(probs.shape[0], dtype=torch.float64, generator=g))
+
+
+def _trial(p, q, accept_rule=None, seed=0, draft_probs=True, draw="race"):
     g = torch.Generator().manual_seed(seed)
     P = p.expand(N, V).contiguous()
     Q = q.expand(N, V).contiguous()
     d = torch.multinomial(Q, 1, generator=g)[:, 0]
     u = torch.rand(N, generator=g)
-    noise = torch.empty(N, V).exponential_(generator=g)
+    ones = torch.ones(N, dtype=torch.bool)
     if accept_rule is None:
-        acc, tok = rejection_sample(P, d, torch.ones(N, dtype=torch.bool), u, noise, Q if draft_probs else None)
+        acc, tok = rejection_sample(P, d, ones, u, _draw(draw, g), Q if draft_probs else None)
     else:
-        _, tok = rejection_sample(P, d, torch.ones(N, dtype=torch.bool), u, noise, Q)
+        _, tok = rejection_sample(P, d, ones, u, _draw(draw, g), Q)
         acc = accept_rule(P, Q, d, u)
     out = torch.where(acc, d, tok)
     return torch.bincount(out, minlength=V).double() / N, acc.double().mean().item()
@@ -33,12 +43,13 @@ def _chi2(freq, p):
     return chi2 < (V - 1) + 6 * math.sqrt(2 * (V - 1)) + 10
 
 
+@pytest.mark.parametrize("draw", ["race", "cdf"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_output_distribution_is_the_target(seed):
+def test_output_distribution_is_the_target(seed, draw):
     g = torch.Generator().manual_seed(100 + seed)
     p = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
     q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
-    freq, acc_rate = _trial(p, q, seed=seed)
+    freq, acc_rate = _trial(p, q, seed=seed, draw=draw)
     assert _chi2(freq, p), (freq, p)
     # the acceptance rate is sum_x min(p, q) (the standard result)
     assert abs(acc_rate - float(torch.minimum(p, q).sum())) < 0.01
@@ -50,8 +61,9 @@ def test_one_hot_drafts_keep_the_target():
     p = torch.softmax(torch.randn(V, generator=g), -1)
     q = torch.zeros(V)
     q[2] = 1.0
-    freq, acc_rate = _trial(p, q, draft_probs=False)
-    assert _chi2(freq, p) and abs(acc_rate - float(p[2])) < 0.01
+    for draw in ("race", "cdf"):
+        freq, acc_rate = _trial(p, q, draft_probs=False, draw=draw)
+        assert _chi2(freq, p) and abs(acc_rate - float(p[2])) < 0.01
 
 
 def test_a_wrong_acceptance_rule_fails():
@@ -71,6 +83,6 @@ def test_greedy_rows_accept_exactly_the_argmax():
     p[torch.arange(3), torch.tensor([1, 4, 0])] = 1.0
     d = torch.tensor([1, 3, 0])
     acc, tok = rejection_sample(p, d, torch.tensor([True, True, False]), torch.rand(3),
-                                torch.empty(3, V).exponential_())
+                                _draw("cdf", torch.Generator().manual_seed(0)))
     assert acc.tolist() == [True, False, False]
     assert tok[1] == 4 and tok[2] == 0      # correction = argmax; bonus row = argmax

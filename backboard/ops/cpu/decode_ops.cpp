@@ -1,7 +1,8 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
 // the GDN decode / verify step, paged decode attention, causal prefill attention (AVX512-BF16
 // builds), RMSNorm (+ residual), the GDN gated
-// norm, SiLU-mul, the attention prologue (q / k norm, RoPE, K/V cache write) and greedy argmax. Each has the signature of its torch reference (the Python wrapper
+// norm, SiLU-mul, the attention prologue (q / k norm, RoPE, K/V cache write), greedy argmax and
+// random sampling's draw. Each has the signature of its torch reference (the Python wrapper
 // backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
 #include <torch/csrc/utils/pybind.h>
 
@@ -11,6 +12,7 @@
 #include "paged_attention.h"
 #include "prefill_attention.h"
 #include "rope.h"
+#include "sampling.h"
 
 namespace {
 
@@ -50,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("use_amx") = true);
 #endif
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
+  m.def("sample_inverse_cdf", &bb::sample_inverse_cdf,
+        "one token a row of probabilities [R, V] at uniforms [R] (see ops.sampling.sample_inverse_cdf_ref)");
   m.def("rms_norm", &bb::rms_norm, "RMSNorm (see ops.norm.rms_norm)");
   m.def("fused_add_rms_norm", &bb::fused_add_rms_norm, "residual add + RMSNorm (see ops.norm.fused_add_rms_norm_ref)");
   m.def("gated_rms_norm", &bb::gated_rms_norm, "GDN output norm (see ops.norm.gated_rms_norm)");

@@ -14,6 +14,7 @@ rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
     ops.norm.gated_rms_norm_ref                -> gated_rms_norm
     ops.activation.silu_mul_ref                -> silu_mul
     ops.rotary.qk_norm_rope_write_kv_ref       -> qk_norm_rope_write_kv
+    ops.sampling.sample_inverse_cdf_ref        -> sample_inverse_cdf
 
 The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
 this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
@@ -101,6 +102,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """torch.argmax(x, -1) of fp32 logits x [R, V] (rows contiguous) -> int64 [R]."""
     return _mod(isa).argmax_rows(x)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
+    """See ops.sampling.sample_inverse_cdf_ref: probs fp32 [R, V] (rows contiguous), u fp64 [R]
+    -> int64 [R]."""
+    return _mod(isa).sample_inverse_cdf(probs, u)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, *,
