@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """What random sampling costs a decode step, measured against greedy decoding of the same requests
 (the floor: a draw should cost next to nothing beside the forward), side by side in one run, and
-the draw alone on one [R, V] distribution: Sampler.draw (the C++ inverse CDF on the CPU) vs the
-exponential race it replaced there (torch's exponential_ over the whole vocabulary).
+the sampler alone on one [R, V] distribution: at temperature 1 (on the CPU softmax and draw fused in
+one C++ op), Sampler.draw of given probabilities (the C++ inverse CDF), and the exponential race it
+replaced there (torch's exponential_ over the whole vocabulary).
 
     python benchmarks/sampling_cost.py [--model DIR] [--concurrency 1 16] [--output-len 64]
 
@@ -40,19 +41,22 @@ def decode_tps(llm: LLM, C: int, temperature: float, output_len: int, rng) -> fl
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def draw_ms(R: int, V: int, reps: int = 10) -> tuple[float, float]:
-    """(Sampler.draw, the exponential race) ms for one [R, V] distribution."""
-    probs = torch.softmax(torch.randn(R, V) * 2, -1)
+def draw_ms(R: int, V: int, reps: int = 10) -> tuple[float, float, float]:
+    """ms for one [R, V] distribution: the whole Sampler at temperature 1 (softmax and draw fused),
+    Sampler.draw of given probabilities, and the exponential race they replaced on the CPU."""
+    logits = torch.randn(R, V) * 2
+    probs = torch.softmax(logits, -1)
     md = SamplingMetadata(temperature=torch.ones(R), all_greedy=False)
     s = Sampler(0)
     out = []
-    for f in (lambda: s.draw(probs, md), lambda: exponential_race(probs, torch.empty(R, V).exponential_())):
+    for f in (lambda: s(logits, md), lambda: s.draw(probs, md),
+              lambda: exponential_race(probs, torch.empty(R, V).exponential_())):
         f()
         t = time.perf_counter()
         for _ in range(reps):
             f()
         out.append(1e3 * (time.perf_counter() - t) / reps)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def main() -> None:
@@ -79,8 +83,9 @@ def main() -> None:
         g, s = np.median([p[0] for p in pairs]), np.median([p[1] for p in pairs])
         print(f"{C:<3}{g:13.1f}{s:13.1f}{s / g:15.2f}")
     for R in (1, 16):
-        d, race = draw_ms(R, V)
-        print(f"draw of {R} x {V}: Sampler.draw {d:.3f} ms, exponential race {race:.3f} ms ({race / d:.1f}x)")
+        whole, d, race = draw_ms(R, V)
+        print(f"{R} x {V}: Sampler at T = 1 (fused) {whole:.3f} ms; Sampler.draw of probs {d:.3f} ms; "
+              f"exponential race {race:.3f} ms ({race / d:.0f}x the draw)")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 from backboard.ops.quant import int4_linear_ref, int8_linear_ref
 from backboard.ops.rotary import qk_norm_rope_write_kv_ref
-from backboard.ops.sampling import sample_inverse_cdf_ref
+from backboard.ops.sampling import sample_inverse_cdf_ref, sample_logits_ref
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,14 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
             and probs.stride(1) == 1 and use_cpu_decode_ops(probs):
         return cpu_ops.sample_inverse_cdf(probs, u.to(torch.float64).contiguous())
     return sample_inverse_cdf_ref(probs, u)
+
+
+def sample_logits(logits: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """See ops.sampling.sample_logits_ref: the fused C++ kernel on the CPU, else the reference."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 \
+            and logits.stride(1) == 1 and use_cpu_decode_ops(logits):
+        return cpu_ops.sample_logits(logits, inv_t.float().contiguous(), u.to(torch.float64).contiguous())
+    return sample_logits_ref(logits, inv_t, u)
 
 
 def _cpu_kernels_on(device: torch.device) -> bool:

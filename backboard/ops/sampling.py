@@ -63,6 +63,18 @@ def sample_inverse_cdf_ref(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor
     return torch.where(bad, probs.argmax(-1), idx)
 
 
+def sample_logits_ref(logits: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw of softmax(logits * inv_t) at u (sample_inverse_cdf_ref), in one op where a kernel
+    fuses it: logits [R, V] fp32, inv_t [R], u [R] fp64 -> int64 [R]. A row whose maximum is not
+    finite (a NaN, +inf, or only -inf) gets its argmax."""
+    x = logits.float()
+    m = x.max(-1, keepdim=True).values
+    probs = torch.exp((x - m) * inv_t[:, None].float())
+    ids = sample_inverse_cdf_ref(probs, u)
+    bad = ~torch.isfinite(m[:, 0]) | torch.isnan(x).any(-1)
+    return torch.where(bad, x.argmax(-1), ids)
+
+
 def seeded_uniform(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A fp64 uniform in [0, 1) that depends only on (seed, position), as seeded_noise. [1]"""
     return torch.rand(1, dtype=torch.float64, generator=_seeded_generator(seed, position, device), device=device)

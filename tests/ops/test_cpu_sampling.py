@@ -13,7 +13,7 @@ import torch
 from backboard.ops import dispatch
 from backboard.ops.cpu import decode_ops
 from backboard.ops.cpu.build import cpu_isa
-from backboard.ops.sampling import sample_inverse_cdf_ref
+from backboard.ops.sampling import sample_inverse_cdf_ref, sample_logits_ref
 from tests.ops.cpu_isas import built, isa_param
 
 CHUNK = 4096           # kCdfChunk
@@ -78,3 +78,48 @@ def test_draws_follow_the_distribution_and_a_shifted_draw_is_caught():
         return float((N * (f[m] - p.double()[m]) ** 2 / p.double()[m]).sum()) < V + 6 * math.sqrt(2 * V) + 10
 
     assert chi2_ok(freq) and not chi2_ok(shifted)
+
+
+# ---- temperature alone, fused with the softmax (sample_logits) ----------------------------------
+@isa_param
+@pytest.mark.parametrize("R,V", [(1, 1), (3, 7), (4, CHUNK), (2, CHUNK + 1), (5, 3 * CHUNK + 17), (16, 248320)])
+def test_fused_softmax_draw_matches_the_reference(isa, R, V):
+    built(isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(R, V, generator=g) * 3
+    x[torch.rand(R, V, generator=g) < 0.2] = float("-inf")          # masked tokens (a grammar, min_tokens)
+    x[:, 0] = 1.0                                                    # never a row of only -inf
+    inv_t = torch.rand(R, generator=g) * 2 + 0.2
+    for seed in range(3):
+        u = torch.rand(R, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        got = decode_ops.sample_logits(x, inv_t, u, isa=isa)
+        ref = sample_logits_ref(x, inv_t, u)
+        # exps differ from torch's by an ulp: a draw within ~1e-6 of a boundary may differ (none here)
+        assert got.tolist() == ref.tolist()
+        assert bool(torch.isfinite(x.gather(1, got[:, None])).all())          # never a masked token
+
+
+@isa_param
+def test_fused_draw_rows_without_a_finite_maximum_take_their_argmax(isa):
+    built(isa)
+    V = CHUNK + 3
+    x = torch.randn(3, V)
+    x[0, CHUNK + 1] = float("nan")
+    x[1, 5] = float("inf")
+    x[2] = float("-inf")
+    u = torch.full((3,), 0.5, dtype=torch.float64)
+    got = decode_ops.sample_logits(x, torch.ones(3), u, isa=isa).tolist()
+    assert got == sample_logits_ref(x, torch.ones(3), u).tolist() == [CHUNK + 1, 5, 0]
+
+
+def test_fused_draws_follow_the_tempered_distribution():
+    V, N, T = 40, 100_000, 0.7
+    x = torch.randn(V, generator=torch.Generator().manual_seed(4)) * 2
+    p = torch.softmax(x / T, -1).double()
+    u = torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ids = dispatch.sample_logits(x.expand(N, V).contiguous(), torch.full((N,), 1 / T), u)
+    for shift, ok in ((0, True), (1, False)):
+        f = torch.bincount((ids + shift) % V, minlength=V).double() / N
+        m = p > 5 / N
+        chi2 = float((N * (f[m] - p[m]) ** 2 / p[m]).sum())
+        assert (chi2 < V + 6 * math.sqrt(2 * V) + 10) == ok

@@ -54,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
   m.def("sample_inverse_cdf", &bb::sample_inverse_cdf,
         "one token a row of probabilities [R, V] at uniforms [R] (see ops.sampling.sample_inverse_cdf_ref)");
+  m.def("sample_logits", &bb::sample_logits,
+        "the draw of softmax(logits * inv_t) at uniforms [R], fused (see ops.sampling.sample_logits_ref)");
   m.def("rms_norm", &bb::rms_norm, "RMSNorm (see ops.norm.rms_norm)");
   m.def("fused_add_rms_norm", &bb::fused_add_rms_norm, "residual add + RMSNorm (see ops.norm.fused_add_rms_norm_ref)");
   m.def("gated_rms_norm", &bb::gated_rms_norm, "GDN output norm (see ops.norm.gated_rms_norm)");

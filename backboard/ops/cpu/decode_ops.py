@@ -15,6 +15,7 @@ rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
     ops.activation.silu_mul_ref                -> silu_mul
     ops.rotary.qk_norm_rope_write_kv_ref       -> qk_norm_rope_write_kv
     ops.sampling.sample_inverse_cdf_ref        -> sample_inverse_cdf
+    ops.sampling.sample_logits_ref             -> sample_logits
 
 The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
 this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
@@ -108,6 +109,13 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, isa: str | None 
     """See ops.sampling.sample_inverse_cdf_ref: probs fp32 [R, V] (rows contiguous), u fp64 [R]
     -> int64 [R]."""
     return _mod(isa).sample_inverse_cdf(probs, u)
+
+
+def sample_logits(logits: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor, *,
+                  isa: str | None = None) -> torch.Tensor:
+    """See ops.sampling.sample_logits_ref: logits fp32 [R, V] (rows contiguous), inv_t fp32 [R],
+    u fp64 [R] -> int64 [R]."""
+    return _mod(isa).sample_logits(logits, inv_t, u)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, *,
