@@ -9,13 +9,15 @@ speculation (greedy outputs checked identical to it).
      held-out prompts (topics never seen in training; fixed k);
   3. output tokens/s at concurrency 1, 4, 16: draft head and n-gram (adaptive k), each against no
      speculation in alternating runs (the ratio of each pair and their median), with the share of
-     steps that chose each k.
+     steps that chose each k; with --interleave ROUNDS both engines are built once and the
+     requests go through them in alternating chunks of 2 x C (the ratio of the totals).
 
 no --model (synthetic): the tiny hybrid with transformers' default weight scale (its next token
 depends mostly on the current one, a structure a draft head can learn), random prompts; output
 tokens/s and TPOT at concurrency 1, 4, 16 and 64.
 
     python benchmarks/spec_decode.py --model smollm2 [--train-minutes 30] [--draft DIR] [--output-len 64]
+        [--interleave 3 --concurrency 16 --methods ngram]
     python benchmarks/spec_decode.py [--concurrency 1,4,16,64] [--output-len 64] [--train-steps 300]
 """
 
@@ -90,6 +92,47 @@ def speed_rows(model: str, specs: list[tuple[str, dict]], reqs, sp, C: int, repe
               f"same tokens: {last['tokens'] == base['tokens']}", flush=True)
 
 
+def _timed(llm: LLM, reqs, sp) -> tuple[int, float, list[list[int]]]:
+    t = time.perf_counter()
+    outs = llm.generate(reqs, sp, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t, \
+        [list(o.outputs[0].token_ids) for o in outs]
+
+
+def interleaved_rows(model: str, specs: list[tuple[str, dict]], reqs, sp, C: int, rounds: int,
+                     chunk: int) -> None:
+    """Each configuration against no speculation with both engines built once in this process and
+    the requests run through them in turn, in chunks of `chunk` x C requests (2: a few seconds
+    each; every chunk ends with fewer than C requests running, as a run does once), the order
+    alternating chunk by chunk, `rounds` times over: the machine's drift (separate runs of the
+    same engine moved by +-5% on these VMs) then hits both sides within seconds of each other.
+    Prints the ratio of the total tokens/s and the median of the chunks' ratios."""
+    base = LLM(model, max_num_seqs=C, max_model_len=1024)
+    size = chunk * C
+    chunks = [(reqs[i:i + size], sp[i:i + size]) for i in range(0, len(reqs), size)]
+    for name, spec in specs:
+        llm = LLM(model, max_num_seqs=C, max_model_len=1024, speculative_config=spec)
+        engines = (base, llm)
+        for e in engines:
+            e.generate(reqs[:2], sp[:2], use_tqdm=False)
+        tok, sec, ratios, same = [0, 0], [0.0, 0.0], [], True
+        for r in range(rounds):
+            for j, (cr, cs) in enumerate(chunks):
+                rate, out = [0.0, 0.0], [None, None]
+                for e in ((0, 1) if (r + j) % 2 == 0 else (1, 0)):
+                    n, w, out[e] = _timed(engines[e], cr, cs)
+                    tok[e], sec[e], rate[e] = tok[e] + n, sec[e] + w, n / w
+                ratios.append(rate[1] / rate[0])
+                same = same and out[0] == out[1]
+        ratio = (tok[1] / sec[1]) / (tok[0] / sec[0])
+        accept = llm.stats().get("spec_mean_acceptance_length") or 0.0
+        print(f"  C={C:<3} {name:<24} {tok[1] / sec[1]:7.1f} tok/s vs {tok[0] / sec[0]:7.1f}  {ratio:.3f}x "
+              f"(chunks: median {float(np.median(ratios)):.3f}, {rounds} x {len(chunks)} interleaved)  accept "
+              f"{accept:.2f}  {k_share(getattr(llm.engine.runner.proposer, 'k_steps', None))}  same tokens: {same}",
+              flush=True)
+        del llm, engines
+
+
 # ---- real text ------------------------------------------------------------------------------
 def train_real_draft(model: str, draft: str, minutes: float, num_prompts: int | None) -> None:
     from backboard.spec_decode.train import train_draft_head
@@ -116,6 +159,27 @@ def real_text(args) -> None:
     reqs = [{"prompt_token_ids": p} for p in held]
     print(f"target {model}; draft {draft if heads else '-'}\nheld-out prompts: {len(held)} (chat template), "
           f"{args.output_len} output tokens")
+    if not args.speed_only:
+        acceptance_rows(model, draft, reqs, args)
+    print(f"decode speed (greedy), floor = no speculation; 10 C requests (InferenceX's count, at least 16) of the "
+          f"held-out prompts per run, output lengths uniform in [{args.range_ratio} L, L] (InferenceX's rule), "
+          f"{args.repeats} pairs each (the order in a pair alternates):")
+    specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
+                                                  "num_speculative_tokens": args.k})] if heads else []
+    specs += [(f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})
+              ] if "ngram" in args.methods else []
+    specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
+                                           "adaptive": False}) for k in args.fixed_k if heads]
+    for C in [int(c) for c in args.concurrency.split(",") if c]:     # --concurrency "": acceptance only
+        n = max(10 * C, 16)
+        rows = (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C
+        if args.interleave:
+            interleaved_rows(model, specs, *rows, args.interleave, args.interleave_chunk)
+        else:
+            speed_rows(model, specs, *rows, args.repeats)
+
+
+def acceptance_rows(model: str, draft: str, reqs, args) -> None:
     print(f"mean acceptance length (tokens per verify step, drafts accepted + 1), fixed k, C = {len(reqs)}:")
     # ignore_eos keeps every request at output_len tokens, so answers that end sooner (13 of the 48
     # at 64 tokens) go on past their EOS, text no chat serves; the last row lets them end there
@@ -130,18 +194,6 @@ def real_text(args) -> None:
                 row.append(measure(model, spec, reqs, sp, len(reqs))["accept"] or 0.0)
             print(f"  T={temp:.1f} {method:<10} " + "  ".join(f"k={k}: {a:.2f}" for k, a in zip((1, 2, 3, 4), row))
                   + ("" if ignore_eos else "   (answers end at their EOS)"), flush=True)
-    print(f"decode speed (greedy), floor = no speculation; 10 C requests (InferenceX's count, at least 16) of the "
-          f"held-out prompts per run, output lengths uniform in [{args.range_ratio} L, L] (InferenceX's rule), "
-          f"{args.repeats} pairs each (the order in a pair alternates):")
-    specs = [(f"draft_head k={args.k} adaptive", {"method": "draft_head", "draft_model": draft,
-                                                  "num_speculative_tokens": args.k})] if heads else []
-    specs += [(f"ngram k={args.k} adaptive", {"method": "ngram", "num_speculative_tokens": args.k})
-              ] if "ngram" in args.methods else []
-    specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
-                                           "adaptive": False}) for k in args.fixed_k if heads]
-    for C in [int(c) for c in args.concurrency.split(",") if c]:     # --concurrency "": acceptance only
-        n = max(10 * C, 16)
-        speed_rows(model, specs, (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C, args.repeats)
 
 
 def speed_params(args, n: int) -> list[SamplingParams]:
@@ -215,6 +267,12 @@ def main() -> None:
     ap.add_argument("--held-out", type=int, default=48, help="real text: held-out prompts (at most 48; 8 before "
                     "2026-12-03)")
     ap.add_argument("--repeats", type=int, default=3, help="real text: alternating runs per speed row")
+    ap.add_argument("--speed-only", action="store_true", help="real text: skip the acceptance rows")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="real text: speed rows with both engines built once and the requests run through "
+                         "them in alternating chunks, ROUNDS times over (finer than --repeats' pairs)")
+    ap.add_argument("--interleave-chunk", type=int, default=2, metavar="N",
+                    help="with --interleave: chunks of N x C requests (10: the whole run's requests)")
     ap.add_argument("--fixed-k", type=lambda s: [int(k) for k in s.split(",") if k], default=[],
                     help="real text: also speed rows of the draft head at these fixed k (e.g. 2,3)")
     ap.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=["draft_head", "ngram"],
