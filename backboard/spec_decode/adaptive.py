@@ -82,11 +82,13 @@ class _StepSeconds:
         self.keep, self.min_steps, self.max_age = keep, min_steps, max_age
         self.samples: dict[tuple[int, int], list[tuple[float, float, int]]] = {}   # (seconds, tokens, requests)
         self.last: dict[tuple[int, int], int] = {}             # key -> step of its newest sample
+        self._median: dict[tuple[int, int], float] = {}        # key -> median seconds of its samples
 
     def add(self, key: tuple[int, int], seconds: float, step: int, tokens: float = 0.0, n: int = 0) -> None:
         """One step: its seconds, its tokens emitted over its n requests (0, 0: not counted)."""
         self.samples[key] = (self.samples.get(key, []) + [(seconds, tokens, n)])[-self.keep:]
         self.last[key] = step
+        self._median.pop(key, None)
 
     def _recent(self, key: tuple[int, int], step: int) -> list[tuple[float, float, int]] | None:
         """The samples; None until min_steps steps were counted, or when the last is more than
@@ -97,14 +99,26 @@ class _StepSeconds:
         return s
 
     def mean(self, key: tuple[int, int], step: int) -> float | None:
-        """The median seconds, or None (_recent)."""
+        """The median seconds, or None (_recent); kept until the key's next sample (every choice
+        asks for every k: np.median's calls were most of a choice's ~160 us inside a C16 run)."""
         s = self._recent(key, step)
-        return None if s is None else float(np.median([x[0] for x in s]))
+        if s is None:
+            return None
+        m = self._median.get(key)
+        if m is None:
+            m = self._median[key] = median([x[0] for x in s])
+        return m
 
     def tokens(self, key: tuple[int, int], step: int) -> tuple[float, int]:
         """(tokens emitted, requests) over the same steps as mean(); (0, 0) when it is None."""
         s = self._recent(key, step)
         return (0.0, 0) if s is None else (float(sum(x[1] for x in s)), int(sum(x[2] for x in s)))
+
+
+def median(xs: list[float]) -> float:
+    """np.median of a short list (the mean of the middle two when even), without numpy's overhead."""
+    v, h = sorted(xs), len(xs) // 2
+    return float(v[h]) if len(v) % 2 else (v[h - 1] + v[h]) / 2.0
 
 
 def batch_class(n: int) -> int:

@@ -167,3 +167,22 @@ def test_a_slow_step_does_not_stand_for_its_k():
         s.add((1, 3), 0.020, step)
     assert s.mean((1, 3), 10) == pytest.approx(0.020)             # the last 7: four of them at 20 ms
     assert s.mean((1, 3), 10 + 257) is None and s.mean((1, 2), 10) is None
+
+
+def test_step_median_is_numpys_and_follows_new_samples():
+    """_StepSeconds keeps each key's median until its next sample: equal to np.median of the
+    kept samples (odd and even counts), and a new sample moves it."""
+    from backboard.spec_decode.adaptive import _StepSeconds, median
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 9):
+        xs = rng.random(n).tolist()
+        assert median(xs) == float(np.median(xs))
+    s = _StepSeconds(keep=4, min_steps=3)
+    for step, t in enumerate([0.5, 0.1, 0.3]):
+        s.add((4, 0), t, step)
+    assert s.mean((4, 0), 3) == 0.3
+    s.add((4, 0), 0.05, 3)
+    assert s.mean((4, 0), 4) == float(np.median([0.5, 0.1, 0.3, 0.05]))
+    s.add((4, 0), 0.9, 4)                             # keep = 4: 0.5 drops out
+    assert s.mean((4, 0), 5) == float(np.median([0.1, 0.3, 0.05, 0.9]))
