@@ -192,25 +192,29 @@ def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) of fp32 logits [R, V] (greedy sampling): the C++ kernel on the CPU
     (torch's read the LM head's logits at ~10 GB/s: 1.6 ms of a 16-row step), else torch's."""
-    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 \
-            and logits.stride(1) == 1 and use_cpu_decode_ops(logits):
+    if _cpu_rows(logits):
         return cpu_ops.argmax_rows(logits)
     return logits.argmax(-1)
+
+
+def _cpu_rows(x: torch.Tensor) -> bool:
+    """Whether a row-wise C++ op (argmax, the sampling draws) takes x: fp32 [R, V > 0] with
+    contiguous rows, and the decode ops run."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(1) == 1 \
+        and use_cpu_decode_ops(x)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """See ops.sampling.sample_inverse_cdf_ref: probs [R, V], u [R] -> token ids [R]; the C++ kernel
     on the CPU (fp32 rows, contiguous), else the reference."""
-    if probs.dim() == 2 and probs.dtype == torch.float32 and probs.shape[1] > 0 \
-            and probs.stride(1) == 1 and use_cpu_decode_ops(probs):
+    if _cpu_rows(probs):
         return cpu_ops.sample_inverse_cdf(probs, u.to(torch.float64).contiguous())
     return sample_inverse_cdf_ref(probs, u)
 
 
 def sample_logits(logits: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """See ops.sampling.sample_logits_ref: the fused C++ kernel on the CPU, else the reference."""
-    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0 \
-            and logits.stride(1) == 1 and use_cpu_decode_ops(logits):
+    if _cpu_rows(logits):
         return cpu_ops.sample_logits(logits, inv_t.float().contiguous(), u.to(torch.float64).contiguous())
     return sample_logits_ref(logits, inv_t, u)
 

@@ -66,28 +66,47 @@ inline int64_t row_argmax(const float* p, int64_t V, const ChunkMax* cm, int64_t
   return 0;                                   // unreachable: the maximum is some element
 }
 
+// ---- row-wise ops over [R, V] fp32 (argmax here, the sampling draws in sampling.h) --------------
+inline void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  BB_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+           op, ": ", name, " must be 2-D float32 [R, V > 0] with contiguous rows, got ", x.scalar_type(), " ",
+           x.sizes());
+}
+
+// f(t, chunk start, chunk length) for every (row, chunk) of x, t = row * nch + chunk, threaded over t
+template <typename F>
+inline void parallel_row_chunks(const at::Tensor& x, int64_t chunk, F&& f) {
+  const int64_t V = x.size(1), ld = x.stride(0), nch = (V + chunk - 1) / chunk;
+  const float* px = ptr<float>(x);
+  at::parallel_for(0, x.size(0) * nch, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t c = t % nch;
+      f(t, px + (t / nch) * ld + c * chunk, std::min(chunk, V - c * chunk));
+    }
+  });
+}
+
+// int64 [R]: f(r) for every row, threaded over rows
+template <typename F>
+inline at::Tensor ids_by_row(const at::Tensor& x, F&& f) {
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* po = ptr<int64_t>(out);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) po[r] = f(r);
+  });
+  return out;
+}
+
 // x [R, V] fp32 (rows contiguous) -> int64 [R]
 inline at::Tensor argmax_rows(const at::Tensor& x) {
   RECORD_FUNCTION("bb::argmax_rows", std::vector<c10::IValue>());
-  BB_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-           "argmax_rows: x must be 2-D float32 [R, V > 0] with contiguous rows, got ",
-           x.scalar_type(), " ", x.sizes());
+  check_rows(x, "argmax_rows", "x");
   const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
   const int64_t nch = (V + kArgmaxChunk - 1) / kArgmaxChunk;
   const float* px = ptr<float>(x);
   std::vector<ChunkMax> cm(R * nch);
-  at::parallel_for(0, R * nch, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t c = t % nch;
-      cm[t] = chunk_max(px + (t / nch) * ld + c * kArgmaxChunk, std::min(kArgmaxChunk, V - c * kArgmaxChunk));
-    }
-  });
-  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
-  int64_t* po = ptr<int64_t>(out);
-  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) po[r] = row_argmax(px + r * ld, V, cm.data() + r * nch, nch);
-  });
-  return out;
+  parallel_row_chunks(x, kArgmaxChunk, [&](int64_t t, const float* p, int64_t n) { cm[t] = chunk_max(p, n); });
+  return ids_by_row(x, [&](int64_t r) { return row_argmax(px + r * ld, V, cm.data() + r * nch, nch); });
 }
 
 }  // namespace BB_ISA_NAMESPACE

@@ -4,7 +4,8 @@
 // race's V exponentials: torch's CPU exponential_ took 3.55 ms a row of a 248K vocabulary (56 ms
 // for 16 rows) on a Zen 5, more than the decode step itself; this reads the row once.
 // Chunk sums are threaded over (row, chunk) like argmax_rows; each row then walks its chunk sums
-// and scans one chunk. A row without a positive finite sum gets its argmax (torch's rule).
+// and scans one chunk. A row without a positive finite sum gets its argmax (torch's rule). With
+// temperature alone the draw reads the logits themselves (sample_logits, below).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,7 +20,31 @@
 namespace bb {
 inline namespace BB_ISA_NAMESPACE {
 
-constexpr int64_t kCdfChunk = 4096;
+constexpr int64_t kDrawChunk = 4096;
+
+// The inverse CDF of a row in chunks: sums [nch] the chunks' sums (fp64); values(k, f) hands chunk
+// k's values to f(index in the row, value) in order. The first index whose running sum exceeds
+// u * total; when rounding leaves none, the last positive value's; -1 when the row has no positive
+// finite mass.
+template <typename Values>
+inline int64_t chunked_inverse_cdf(const double* sums, int64_t nch, double u, Values&& values) {
+  double total = 0;
+  for (int64_t c = 0; c < nch; ++c) total += sums[c];
+  if (!(total > 0) || !std::isfinite(total)) return -1;
+  const double target = u * total;
+  double run = 0;
+  int64_t c = 0;
+  while (c < nch - 1 && run + sums[c] <= target) run += sums[c++];
+  int64_t last = -1, found = -1;
+  for (int64_t k = c; k < nch && found < 0; ++k)
+    values(k, [&](int64_t i, float v) {
+      if (found >= 0 || !(v > 0)) return;
+      run += double(v);
+      last = i;
+      if (run > target) found = i;
+    });
+  return found >= 0 ? found : last;
+}
 
 // sum of p[0 .. n) in fp64, eight independent accumulators (vectorisable, deterministic)
 inline double chunk_sum(const float* p, int64_t n) {
@@ -31,52 +56,25 @@ inline double chunk_sum(const float* p, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-inline int64_t row_inverse_cdf(const float* p, int64_t V, const double* sums, int64_t nch, double u) {
-  double total = 0;
-  for (int64_t c = 0; c < nch; ++c) total += sums[c];
-  if (!(total > 0) || !std::isfinite(total)) return argmax_exact(p, V);
-  const double target = u * total;
-  double run = 0;
-  int64_t c = 0;
-  while (c < nch - 1 && run + sums[c] <= target) run += sums[c++];
-  int64_t last = -1;                            // the last positive entry seen (rounding's fallback)
-  for (int64_t k = c; k < nch; ++k) {
-    for (int64_t i = k * kCdfChunk, e = std::min(V, i + kCdfChunk); i < e; ++i) {
-      if (!(p[i] > 0)) continue;
-      run += double(p[i]);
-      last = i;
-      if (run > target) return i;
-    }
-  }
-  return last >= 0 ? last : argmax_exact(p, V);
-}
-
 // p [R, V] fp32 (rows contiguous), u [R] fp64 -> int64 [R]
 inline at::Tensor sample_inverse_cdf(const at::Tensor& p, const at::Tensor& u) {
   RECORD_FUNCTION("bb::sample_inverse_cdf", std::vector<c10::IValue>());
-  BB_CHECK(p.dim() == 2 && p.scalar_type() == at::kFloat && p.stride(1) == 1 && p.size(1) > 0,
-           "sample_inverse_cdf: p must be 2-D float32 [R, V > 0] with contiguous rows, got ",
-           p.scalar_type(), " ", p.sizes());
+  check_rows(p, "sample_inverse_cdf", "p");
   BB_CHECK(u.dim() == 1 && u.size(0) == p.size(0) && u.scalar_type() == at::kDouble && u.is_contiguous(),
            "sample_inverse_cdf: u must be float64 [R] (R = ", p.size(0), "), got ", u.scalar_type(), " ",
            u.sizes());
-  const int64_t R = p.size(0), V = p.size(1), ld = p.stride(0);
-  const int64_t nch = (V + kCdfChunk - 1) / kCdfChunk;
+  const int64_t V = p.size(1), ld = p.stride(0), nch = (V + kDrawChunk - 1) / kDrawChunk;
   const float* pp = ptr<float>(p);
-  std::vector<double> sums(R * nch);
-  at::parallel_for(0, R * nch, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t c = t % nch;
-      sums[t] = chunk_sum(pp + (t / nch) * ld + c * kCdfChunk, std::min(kCdfChunk, V - c * kCdfChunk));
-    }
-  });
-  at::Tensor out = at::empty({R}, p.options().dtype(at::kLong));
-  int64_t* po = ptr<int64_t>(out);
   const double* pu = u.data_ptr<double>();
-  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) po[r] = row_inverse_cdf(pp + r * ld, V, sums.data() + r * nch, nch, pu[r]);
+  std::vector<double> sums(p.size(0) * nch);
+  parallel_row_chunks(p, kDrawChunk, [&](int64_t t, const float* x, int64_t n) { sums[t] = chunk_sum(x, n); });
+  return ids_by_row(p, [&](int64_t r) {
+    const float* row = pp + r * ld;
+    const int64_t i = chunked_inverse_cdf(sums.data() + r * nch, nch, pu[r], [&](int64_t k, auto&& f) {
+      for (int64_t j = k * kDrawChunk, e = std::min(V, j + kDrawChunk); j < e; ++j) f(j, row[j]);
+    });
+    return i >= 0 ? i : argmax_exact(row, V);
   });
-  return out;
 }
 
 // ---- temperature alone: softmax and draw in one op ------------------------------------------
@@ -85,7 +83,6 @@ inline at::Tensor sample_inverse_cdf(const at::Tensor& p, const at::Tensor& u) {
 // (torch's softmax over [16, 248K] took ~4 ms a decode step). exp(x - max) in fp32 (vexp), summed
 // in fp64 by chunk; the chosen chunk is scanned again with the same exps. A row whose maximum is
 // not finite (a NaN, +inf, or nothing but -inf) gets its argmax.
-constexpr int64_t kExpChunk = 4096;
 
 // the chunk's maximum, or NaN when it holds a NaN or +inf (-inf, a masked token, is fine)
 inline float chunk_max_finite(const float* p, int64_t n) {
@@ -117,75 +114,45 @@ inline double chunk_exp_sum(const float* p, int64_t n, float mx, float it) {
   return total;
 }
 
-// the same exps, handed to f(i, value) in order
+// the same exps of p[0 .. n), handed to f(offset + i, value) in order
 template <typename F>
-inline void chunk_exps(const float* p, int64_t n, float mx, float it, F&& f) {
+inline void chunk_exps(const float* p, int64_t n, int64_t offset, float mx, float it, F&& f) {
   const VF vm = VF::set1(mx), vt = VF::set1(it);
   float e[VF::N];
   for_lanes(n, [&](int64_t i, int k) {
     exps(p + i, k, vm, vt).store(e);
-    for (int j = 0; j < k; ++j) f(i + j, e[j]);
+    for (int j = 0; j < k; ++j) f(offset + i + j, e[j]);
   });
-}
-
-inline int64_t row_tempered(const float* p, int64_t V, float mx, float it, const double* sums, int64_t nch,
-                            double u) {
-  if (!std::isfinite(mx)) return argmax_exact(p, V);
-  double total = 0;
-  for (int64_t c = 0; c < nch; ++c) total += sums[c];
-  const double target = u * total;
-  double run = 0;
-  int64_t c = 0;
-  while (c < nch - 1 && run + sums[c] <= target) run += sums[c++];
-  int64_t last = -1, found = -1;
-  for (int64_t k = c; k < nch && found < 0; ++k) {
-    const int64_t start = k * kExpChunk;
-    chunk_exps(p + start, std::min(kExpChunk, V - start), mx, it, [&](int64_t i, float e) {
-      if (found >= 0 || !(e > 0)) return;
-      run += double(e);
-      last = start + i;
-      if (run > target) found = start + i;
-    });
-  }
-  return found >= 0 ? found : (last >= 0 ? last : argmax_exact(p, V));
 }
 
 inline at::Tensor sample_logits(const at::Tensor& x, const at::Tensor& inv_t, const at::Tensor& u) {
   RECORD_FUNCTION("bb::sample_logits", std::vector<c10::IValue>());
-  BB_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-           "sample_logits: logits must be 2-D float32 [R, V > 0] with contiguous rows, got ",
-           x.scalar_type(), " ", x.sizes());
-  const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
+  check_rows(x, "sample_logits", "logits");
+  const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0), nch = (V + kDrawChunk - 1) / kDrawChunk;
   BB_CHECK(inv_t.dim() == 1 && inv_t.size(0) == R && inv_t.scalar_type() == at::kFloat && inv_t.is_contiguous(),
            "sample_logits: inv_t must be float32 [R] (R = ", R, ")");
   BB_CHECK(u.dim() == 1 && u.size(0) == R && u.scalar_type() == at::kDouble && u.is_contiguous(),
            "sample_logits: u must be float64 [R] (R = ", R, ")");
-  const int64_t nch = (V + kExpChunk - 1) / kExpChunk;
   const float *px = ptr<float>(x), *pt = inv_t.data_ptr<float>();
-  std::vector<float> cmax(R * nch), rmax(R);
-  std::vector<double> sums(R * nch);
-  auto chunk = [&](int64_t t) { return std::min(kExpChunk, V - (t % nch) * kExpChunk); };
-  auto at = [&](int64_t t) { return px + (t / nch) * ld + (t % nch) * kExpChunk; };
-  at::parallel_for(0, R * nch, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) cmax[t] = chunk_max_finite(at(t), chunk(t));
-  });
-  for (int64_t r = 0; r < R; ++r) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < nch && !std::isnan(m); ++c) m = std::isnan(cmax[r * nch + c]) ? NAN : std::max(m, cmax[r * nch + c]);
-    rmax[r] = m;
-  }
-  at::parallel_for(0, R * nch, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      sums[t] = std::isfinite(rmax[t / nch]) ? chunk_exp_sum(at(t), chunk(t), rmax[t / nch], pt[t / nch]) : 0.0;
-  });
-  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
-  int64_t* po = ptr<int64_t>(out);
   const double* pu = u.data_ptr<double>();
-  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      po[r] = row_tempered(px + r * ld, V, rmax[r], pt[r], sums.data() + r * nch, nch, pu[r]);
+  std::vector<float> cmax(R * nch), rmax(R, -std::numeric_limits<float>::infinity());
+  std::vector<double> sums(R * nch);
+  parallel_row_chunks(x, kDrawChunk, [&](int64_t t, const float* p, int64_t n) { cmax[t] = chunk_max_finite(p, n); });
+  for (int64_t t = 0; t < R * nch; ++t)            // NaN (a chunk's mark) stays
+    rmax[t / nch] = std::isnan(cmax[t]) || std::isnan(rmax[t / nch]) ? NAN : std::max(rmax[t / nch], cmax[t]);
+  parallel_row_chunks(x, kDrawChunk, [&](int64_t t, const float* p, int64_t n) {
+    const int64_t r = t / nch;
+    sums[t] = std::isfinite(rmax[r]) ? chunk_exp_sum(p, n, rmax[r], pt[r]) : 0.0;
   });
-  return out;
+  return ids_by_row(x, [&](int64_t r) {
+    const float* row = px + r * ld;
+    if (!std::isfinite(rmax[r])) return argmax_exact(row, V);
+    const int64_t i = chunked_inverse_cdf(sums.data() + r * nch, nch, pu[r], [&](int64_t k, auto&& f) {
+      const int64_t start = k * kDrawChunk;
+      chunk_exps(row + start, std::min(kDrawChunk, V - start), start, rmax[r], pt[r], f);
+    });
+    return i >= 0 ? i : argmax_exact(row, V);
+  });
 }
 
 }  // namespace BB_ISA_NAMESPACE
