@@ -1,12 +1,14 @@
 """The target's hidden states of the steps a model-based proposer sat out (adaptive k = 0: no head
 work), kept so that its next catch-up fills the head's KV cache instead of leaving holes.
 
-A step off costs one entry: the step's hidden states [T, H] (the caller's copy), the requests'
-ids, the position of each one's first row, its rows the head would have run over and where they
-start in the step. Nothing is done per request until speculation turns back on, when `take`
-walks the log once and gathers every request's rows with one indexed copy per step. (Keeping
-each request's rows as they came, a tensor slice per request per step, cost SmolLM2's draft-head
-engine at C16 ~0.2 ms of a 15 ms step, every step speculation was off: most steps there.)"""
+A step off costs one copy of its hidden states [T, H] into a ring of rows (allocated on the first
+step off, max_rows x H, never grown), and one entry: the requests' ids, the position of each
+one's first row, its rows the head would have run over, where they start in the step and where
+the step's rows are in the ring. Nothing is done per request until speculation turns back on,
+when `take` walks the log once and gathers every request's rows with one indexed copy per step.
+(Keeping each request's rows as they came, a tensor slice per request per step, cost SmolLM2's
+draft-head engine at C16 ~0.2 ms of a 15 ms step, every step speculation was off: most steps
+there; a new tensor per step, ~1,000 live 18 KB allocations at C16, is gone with the ring.)"""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 
 @dataclass(frozen=True)
 class _Step:
-    hidden: torch.Tensor            # [T, H] the step's flat batch
+    offset: int                     # the step's first row in the ring
+    num_rows: int                   # T: its flat batch's rows, at offset .. offset + T
     where: dict[str, int]           # req_id -> its index in the step
     pos: np.ndarray                 # [B] position of each request's first row
     rows: np.ndarray                # [B] its rows the head runs over (the first ones of its q rows)
@@ -29,28 +32,55 @@ class _Step:
 class DeferredSteps:
     """A log of the steps off. A request's rows handed back are the contiguous positions ending
     just before its next catch-up, at most `cap` of them (older ones stay holes); the log holds
-    at most `max_rows` rows in all (the oldest steps dropped first)."""
+    at most `max_rows` rows in all (the oldest steps dropped first: the ones a new step's rows
+    overwrite in the ring)."""
 
     def __init__(self, cap: int, max_rows: int) -> None:
         self.cap, self.max_rows = cap, max_rows
         self.steps: deque[_Step] = deque()
         self.num_rows = 0
+        self.ring: torch.Tensor | None = None      # [max_rows, H], from the first step off
+        self._head = 0                             # where the next step's rows go
 
     def add(self, req_ids: list[str], pos: np.ndarray, rows: np.ndarray, start: np.ndarray,
             hidden: torch.Tensor) -> None:
-        """One step off: req_ids / pos / rows / start [B], hidden [T, H] (kept, not copied)."""
-        self.steps.append(_Step(hidden, dict(zip(req_ids, range(len(req_ids)))), pos, rows, start))
-        self.num_rows += len(hidden)
-        while self.num_rows > self.max_rows and len(self.steps) > 1:
-            self.num_rows -= len(self.steps.popleft().hidden)
+        """One step off: req_ids / pos / rows / start [B], hidden [T, H] (copied into the ring; a
+        step of more than max_rows rows empties the log instead)."""
+        T = len(hidden)
+        if T > self.max_rows:
+            self.clear()
+            return
+        at = self._head if self._head + T <= self.max_rows else 0
+        self._overwrite(at, T)
+        if self.ring is None or self.ring.shape[1:] != hidden.shape[1:] or self.ring.dtype != hidden.dtype:
+            self.ring = torch.empty(self.max_rows, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        self.ring[at:at + T] = hidden
+        self.steps.append(_Step(at, T, dict(zip(req_ids, range(len(req_ids)))), pos, rows, start))
+        self.num_rows += T
+        self._head = at + T
+
+    def _overwrite(self, at: int, T: int) -> None:
+        """Drop the steps whose rows [at, at + T) of the ring takes, oldest first (on a wrap to 0,
+        first the ones past the old head: older than any before it)."""
+        if at == 0 and self._head > 0:
+            while self.steps and self.steps[0].offset >= self._head:
+                self._drop_oldest()
+        while self.steps and at <= self.steps[0].offset < at + T:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self.num_rows -= self.steps.popleft().num_rows
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.num_rows = self._head = 0
 
     def take(self, req_ids: list[str], ends: np.ndarray) -> list[torch.Tensor | None]:
         """For each request, its kept rows ending just before position ends[i] ([n, H], oldest
         first), or None; the log is emptied."""
         spans = [self._span(rid, int(end)) for rid, end in zip(req_ids, ends)]
         out = self._gather(spans)
-        self.steps.clear()
-        self.num_rows = 0
+        self.clear()
         return out
 
     def _span(self, rid: str, end: int) -> list[tuple[int, int, int]]:
@@ -77,8 +107,8 @@ class DeferredSteps:
         total = sum(sizes)
         if total == 0:
             return [None] * len(spans)
-        first = self.steps[0].hidden
-        buf = torch.empty(total, first.shape[1], dtype=first.dtype, device=first.device)
+        ring = self.ring
+        buf = torch.empty(total, *ring.shape[1:], dtype=ring.dtype, device=ring.device)
         src: dict[int, list[np.ndarray]] = {}
         dst: dict[int, list[np.ndarray]] = {}
         at = 0
@@ -86,12 +116,12 @@ class DeferredSteps:
             off = at + size
             for e, r0, t in segs:               # newest first: fill from the span's end
                 off -= t
+                r0 += self.steps[e].offset
                 src.setdefault(e, []).append(np.arange(r0, r0 + t))
                 dst.setdefault(e, []).append(np.arange(off, off + t))
             at += size
         for e, s in src.items():
-            h = self.steps[e].hidden
-            to, frm = (torch.from_numpy(np.concatenate(x)).to(h.device) for x in (dst[e], s))
-            buf[to] = h[frm]
+            to, frm = (torch.from_numpy(np.concatenate(x)).to(ring.device) for x in (dst[e], s))
+            buf[to] = ring[frm]
         parts = torch.split(buf, sizes)
         return [p if size else None for p, size in zip(parts, sizes)]

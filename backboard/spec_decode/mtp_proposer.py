@@ -32,8 +32,9 @@ from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
 # Deferred rows kept per request: positions further back than this stay holes. The log of steps
-# off holds at most max_num_seqs times this plus a step's token budget (64 requests x 512 x hidden
-# 5120 in bf16: 335 MB, a bound the KV planning does not count).
+# off is a ring of max_num_seqs times this plus a step's token budget rows, allocated the first
+# time speculation is off (64 requests x 512 x hidden 5120 in bf16: 335 MB, which the KV
+# planning does not count).
 DEFERRED_ROWS_MAX = 512
 
 
@@ -98,11 +99,11 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def defer(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """Speculation is off this step: keep the target's hidden states of the rows the head
-        would have caught up on (DeferredSteps: one copy a step), so that turning it back on fills
-        the head's cache instead of leaving holes that every later draft of the request attends
-        over."""
+        would have caught up on (DeferredSteps: one copy a step into its ring), so that turning it
+        back on fills the head's cache instead of leaving holes that every later draft of the
+        request attends over."""
         qsl = plan.inputs.query_start_loc
-        self.deferred.add(plan.req_ids, plan.num_computed, self._known_rows(plan), qsl[:-1], hidden.clone())
+        self.deferred.add(plan.req_ids, plan.num_computed, self._known_rows(plan), qsl[:-1], hidden)
 
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:

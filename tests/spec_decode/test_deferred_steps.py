@@ -75,6 +75,21 @@ def test_deferred_steps_memory_bound():
     assert torch.equal(log.take(["r"], np.array([5]))[0], torch.cat([h[:1] for h in hs[2:]]))
 
 
+def test_deferred_steps_ring_wraps():
+    """The rows live in a ring: a step that does not fit before its end goes to its start, and
+    every older step whose rows it takes (or that lies past the old head: older still) is gone;
+    the rows kept are copies (the caller's tensor may change after add)."""
+    log = DeferredSteps(cap=50, max_rows=10)
+    sizes = {"a": 1, "b": 6, "c": 0, "d": 1, "e": 8}            # known rows; each step has 1 row more
+    hs = {r: _step(log, {r: (0, n)}) for r, n in sizes.items()}  # a@0 b@2 c@9 d@0 (wrap) e@0 (wrap)
+    assert log.num_rows == 9 and len(log.steps) == 1
+    want = hs["e"][:8].clone()
+    hs["e"].zero_()
+    d, e = log.take(["d", "e"], np.array([1, 8]))
+    assert d is None and torch.equal(e, want)
+    assert log.num_rows == 0 and not log.steps
+
+
 def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model, monkeypatch):
     """Speculation on one step in three (k = 3), off otherwise: every position of every request
     up to its last catch-up went through the head (contiguous from 0), and outputs stay those
