@@ -31,7 +31,8 @@ that does not pay is never slower than none. Exploration: the first steps altern
 so that the fit sees both row counts; later, every `probe_every` steps try another side (when
 on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
 k, less and less often (up to 8x) while off stays the answer). Speculation is chosen only when
-its expected rate beats none by `margin` (off costs nothing).
+its expected rate beats none by `margin` (off costs nothing). Off at 4 or more requests stands
+HOLD_OFF steps before the rates are asked again (probes and a new batch class still come at once).
 The acceptance prior is modest (0.3 for the first draft; each later position is rated like the
 one before it until it is measured)."""
 
@@ -69,6 +70,8 @@ class _LinearFit:
 PRIOR_WEIGHT = 10.0   # pseudo-drafts behind each position's acceptance prior
 STEP_TOKENS_WEIGHT = 32.0   # requests' worth of E(k) beside the measured steps' own tokens (realized_share)
 COLD = 2    # timings of each kind left out first (verify, draft, whole steps per class and k)
+HOLD_OFF, HOLD_MIN_REQUESTS = 4, 4   # off at 4+ requests stands this many steps before the rates are
+                                     # asked again (~90 us a step, nearly always the same answer there)
 
 
 class _StepSeconds:
@@ -147,6 +150,7 @@ class AdaptiveK:
         self._next_probe = explore_steps + probe_every
         self._probe_turn = 0                         # probes while on: k = 0 and the other ks in turn
         self._seen: dict = {}                        # timings seen per kind (_warm)
+        self._held = (-1, 0)                         # (batch class, until step): off, not asked again
 
     # what is measured ---------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -272,14 +276,23 @@ class AdaptiveK:
         if self._probe_left > 0:                     # inside a probe run
             self._probe_left -= 1
             return self._probe_k
+        probe = self.steps >= self._next_probe
+        held = self._held
+        if not probe and held[0] == batch_class(n) and self.steps < held[1]:
+            return 0
+        best, cand, rates = self._rated(n)
+        if best == 0 and n >= HOLD_MIN_REQUESTS:
+            self._held = (batch_class(n), self.steps + HOLD_OFF)
+        return self._probe(best, cand, rates) if probe else best
+
+    def _rated(self, n: int) -> tuple[int, int, np.ndarray]:
+        """(the best k, the best k > 0, the rates of every k) at n requests."""
         rates, measured = self.rates(n)
         cand = 1 + int(np.argmax(rates[1:]))                           # E(k) ranks the ks
         extra = self.request_tokens(cand) - 1.0                         # its level: what steps gave
         rates[cand] *= (1.0 + self.realized_share(n) * extra) / (1.0 + extra)
         best = cand if rates[cand] > self.margin * rates[0] else 0   # speculation must pay: off is never slower
-        if self.steps >= self._next_probe:
-            return self._probe(best, cand, rates)
-        return best
+        return best, cand, rates
 
     def _probe(self, best: int, cand: int, rates: np.ndarray) -> int:
         """A step (or a run) on another side, so that whole steps keep measuring it. On: one

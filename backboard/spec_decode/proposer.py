@@ -78,11 +78,12 @@ class Proposer:
     def propose(self, plan: StepPlan, hidden: torch.Tensor, result: SampleResult, k_max: int,
                 verify_s: float) -> list[list[int]]:
         """[B] drafts for the next step (up to k_max each; [] for none)."""
-        self._observe(plan, result.num_accepted, verify_s)
+        decode = not np.any(~plan.is_spec & (plan.q_lens > 1))     # no prompt rows in the step
+        self._observe(plan, result.num_accepted, verify_s, decode)
         B = len(plan.rows)
         out: list[list[int]] = [[] for _ in range(B)]
         who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
-        self._observe_step(plan, result, len(who))
+        self._observe_step(plan, result, len(who), decode)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
         if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's k (timed) on all
             k = broadcast_object(k)
@@ -114,25 +115,26 @@ class Proposer:
         out_room = self.ctx.max_tokens[rows] - (n - b.num_prompt[rows]) - 1
         return np.minimum(np.minimum(ctx_room, out_room), self.k_max).astype(np.int64)
 
-    def _observe_step(self, plan: StepPlan, result: SampleResult, n: int) -> None:
+    def _observe_step(self, plan: StepPlan, result: SampleResult, n: int, decode: bool) -> None:
         """The whole step that just ended, from the previous propose to this one (its drafting,
         the scheduler, the forward, sampling, the output): counted when it was a steady decode step,
         the same requests as the one before and no prompt rows (those cost differently, and
         after an idle engine the gap is not a step's cost)."""
         now, last = time.perf_counter(), self._last_step
         self._last_step = (now, n)
-        steady = last is not None and last[1] == n == len(plan.rows) and not np.any(~plan.is_spec & (plan.q_lens > 1))
+        steady = decode and last is not None and last[1] == n == len(plan.rows)
         steady = steady and self._caught_up <= n * (self.k_max + 1)   # not a catch-up over an off stretch
         self._caught_up = 0
         if steady and n:
-            k = max((len(d) for d in plan.drafts), default=0)
-            self.adaptive.observe_step(n, k, now - last[0], sum(len(t) for t in result.token_ids))
+            k = max(map(len, plan.drafts), default=0) if plan.has_spec else 0
+            self.adaptive.observe_step(n, k, now - last[0], sum(map(len, result.token_ids)))
 
-    def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float) -> None:
-        lens = np.array([len(d) for d in plan.drafts], dtype=np.int64)
-        if lens.any():
+    def _observe(self, plan: StepPlan, accepted: np.ndarray, verify_s: float, decode: bool) -> None:
+        spec = plan.has_spec
+        if spec:
+            lens = np.fromiter(map(len, plan.drafts), dtype=np.int64, count=len(plan.drafts))
             self.adaptive.observe_acceptance(
                 [int(np.sum((lens > j) & (accepted >= j))) for j in range(self.k_max)],
                 [int(np.sum((lens > j) & (accepted > j))) for j in range(self.k_max)])
-        if not np.any(~plan.is_spec & (plan.q_lens > 1)):     # decode / verify rows only
-            self.adaptive.observe_verify(int(plan.q_lens.sum()), verify_s, bool(lens.any()))
+        if decode:                                          # decode / verify rows only
+            self.adaptive.observe_verify(int(plan.q_lens.sum()), verify_s, spec)

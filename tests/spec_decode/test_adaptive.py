@@ -186,3 +186,31 @@ def test_step_median_is_numpys_and_follows_new_samples():
     assert s.mean((4, 0), 4) == float(np.median([0.5, 0.1, 0.3, 0.05]))
     s.add((4, 0), 0.9, 4)                             # keep = 4: 0.5 drops out
     assert s.mean((4, 0), 5) == float(np.median([0.1, 0.3, 0.05, 0.9]))
+
+
+def test_off_holds_for_a_few_steps_at_larger_batches(monkeypatch):
+    """Off at 4+ requests stands HOLD_OFF steps without the rates being asked again (a choice
+    took ~90 us of a C16 step, the same answer nearly always); a probe still comes on time and a
+    new batch class, or fewer requests, decide again at once."""
+    from backboard.spec_decode import adaptive
+
+    ak = AdaptiveK(3)
+    for _ in range(6):                                 # verify and draft fits, as after exploring
+        ak.observe_verify(16, 0.010, False)
+        ak.observe_verify(32, 0.030, True)
+        ak.observe_draft(16, 32, 0.004, 0.004)
+    ak.steps = ak.explore_steps
+    asked = []
+    real = AdaptiveK._rated
+    monkeypatch.setattr(AdaptiveK, "_rated", lambda self, n: asked.append(n) or real(self, n))
+    ks = [ak.choose(16) for _ in range(adaptive.HOLD_OFF)]
+    assert ks == [0] * adaptive.HOLD_OFF and asked == [16]          # off at 16: asked once
+    assert ak.choose(16) == 0 and asked == [16, 16]                 # the hold ran out
+    ak.choose(4)                                                    # another batch class: asked
+    ak.choose(2)
+    ak.choose(2)                                                    # fewer than 4 requests: every step
+    assert asked == [16, 16, 4, 2, 2]
+    ak.choose(4)                                                    # held: off at 4 a step ago
+    assert len(asked) == 5
+    ak._next_probe = ak.steps + 1
+    assert ak.choose(4) > 0 and len(asked) == 6                     # a probe is not held back
