@@ -87,14 +87,16 @@ _fixed: Selection | None = None         # set for the duration of a forward
 # ---- selection ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fixed_selection() -> Iterator[Selection]:
-    """Read the environment once for this scope (a forward); nested scopes keep the outer one."""
+    """Read the environment once for this scope (a forward, an engine step); nested scopes keep the
+    outer one."""
     global _fixed
     if _fixed is not None:
         yield _fixed
         return
     _fixed = Selection()
     try:
-        yield _fixed
+        with cpu_ops.scope():
+            yield _fixed
     finally:
         _fixed = None
 

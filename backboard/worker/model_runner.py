@@ -124,7 +124,12 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """(prefix-cache copies ->) prepare -> forward -> sample -> commit (-> propose the next
         step's drafts). Under TP rank 0 broadcasts `so` first (the other ranks receive it in
-        worker/tp_worker.py)."""
+        worker/tp_worker.py). Kernel choices are read from the environment once for the step
+        (dispatch.fixed_selection: the LM head, sampling and the proposer's forwards too)."""
+        with dispatch.fixed_selection():
+            return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if tp_rank() == 0 and tp_size() > 1:
             broadcast_object(so)
         if so.kv_block_copies or so.state_copies:       # prefix caching: before anything is written

@@ -25,8 +25,10 @@ intra-op pool (torch.set_num_threads), over (request, head) tasks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -38,17 +40,44 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 _by_env: dict[str | None, ModuleType | None] = {}     # $BACKBOARD_CPU_ISA -> module (hot path)
+_UNSET = object()
+_scope_depth = 0          # > 0 inside scope(): isa=None is resolved once (on first use) for it
+_scoped: object = _UNSET
 
 
 def kernels(isa: str | None = None) -> ModuleType | None:
-    """The compiled extension for `isa` (None: this CPU's best level, or $BACKBOARD_CPU_ISA);
-    None when it cannot be built (logged once by build.py)."""
+    """The compiled extension for `isa` (None: this CPU's best level, or $BACKBOARD_CPU_ISA,
+    read once per scope() and at every call outside one); None when it cannot be built (logged
+    once by build.py)."""
+    global _scoped
     if isa is not None:
         return load_kernels(FAMILY, SOURCES, isa)
+    if _scope_depth:
+        if _scoped is _UNSET:
+            _scoped = _by_isa_env()
+        return _scoped
+    return _by_isa_env()
+
+
+def _by_isa_env() -> ModuleType | None:
     key = os.environ.get(ISA_ENV)
     if key not in _by_env:
         _by_env[key] = load_kernels(FAMILY, SOURCES, cpu_isa())
     return _by_env[key]
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Inside it the environment is read once, on the first kernels() call (a GPU forward never
+    makes one, so never builds them): an engine step calls the decode ops ~80 times."""
+    global _scope_depth, _scoped
+    _scope_depth += 1
+    try:
+        yield
+    finally:
+        _scope_depth -= 1
+        if not _scope_depth:
+            _scoped = _UNSET
 
 
 def available(isa: str | None = None) -> bool:
