@@ -2,10 +2,11 @@
 work), kept so that its next catch-up fills the head's KV cache instead of leaving holes.
 
 A step off costs one copy of its hidden states [T, H] into a ring of rows (allocated on the first
-step off, max_rows x H, never grown), and one entry: the requests' ids, the position of each
-one's first row, its rows the head would have run over, where they start in the step and where
-the step's rows are in the ring. Nothing is done per request until speculation turns back on,
-when `take` walks the log once and gathers every request's rows with one indexed copy per step.
+step off, doubled while a step does not fit before its end, up to max_rows x H), and one entry:
+the requests' ids, the position of each one's first row, its rows the head would have run over,
+where they start in the step and where the step's rows are in the ring. Nothing is done per
+request until speculation turns back on, when `take` walks the log once and gathers every
+request's rows with one indexed copy per step.
 (Keeping each request's rows as they came, a tensor slice per request per step, cost SmolLM2's
 draft-head engine at C16 ~0.2 ms of a 15 ms step, every step speculation was off: most steps
 there; a new tensor per step, ~1,000 live 18 KB allocations at C16, is gone with the ring.)"""
@@ -35,11 +36,11 @@ class DeferredSteps:
     at most `max_rows` rows in all (the oldest steps dropped first: the ones a new step's rows
     overwrite in the ring)."""
 
-    def __init__(self, cap: int, max_rows: int) -> None:
-        self.cap, self.max_rows = cap, max_rows
+    def __init__(self, cap: int, max_rows: int, first_rows: int = 1024) -> None:
+        self.cap, self.max_rows, self.first_rows = cap, max_rows, first_rows
         self.steps: deque[_Step] = deque()
         self.num_rows = 0
-        self.ring: torch.Tensor | None = None      # [max_rows, H], from the first step off
+        self.ring: torch.Tensor | None = None      # [capacity, H], from the first step off
         self._head = 0                             # where the next step's rows go
 
     def add(self, req_ids: list[str], pos: np.ndarray, rows: np.ndarray, start: np.ndarray,
@@ -50,14 +51,31 @@ class DeferredSteps:
         if T > self.max_rows:
             self.clear()
             return
-        at = self._head if self._head + T <= self.max_rows else 0
+        self._fit(self._head + T, hidden)
+        at = self._head if self._head + T <= len(self.ring) else 0
         self._overwrite(at, T)
-        if self.ring is None or self.ring.shape[1:] != hidden.shape[1:] or self.ring.dtype != hidden.dtype:
-            self.ring = torch.empty(self.max_rows, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
         self.ring[at:at + T] = hidden
         self.steps.append(_Step(at, T, dict(zip(req_ids, range(len(req_ids)))), pos, rows, start))
         self.num_rows += T
         self._head = at + T
+
+    def _fit(self, rows: int, hidden: torch.Tensor) -> None:
+        """A ring of at least `rows` rows where max_rows allows (else the most it allows), like
+        hidden [T, H]: doubled from first_rows, the kept rows copied to the same offsets (a GPU
+        engine whose speculation is rarely off never holds the whole bound)."""
+        ring = self.ring
+        if ring is None or ring.shape[1:] != hidden.shape[1:] or ring.dtype != hidden.dtype:
+            self.clear()
+            ring = None
+        size = 0 if ring is None else len(ring)
+        if size >= min(rows, self.max_rows):
+            return
+        new = max(size, min(self.first_rows, self.max_rows))
+        while new < min(rows, self.max_rows):
+            new = min(2 * new, self.max_rows)
+        self.ring = torch.empty(new, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        if ring is not None:
+            self.ring[:size] = ring
 
     def _overwrite(self, at: int, T: int) -> None:
         """Drop the steps whose rows [at, at + T) of the ring takes, oldest first (on a wrap to 0,

@@ -32,9 +32,9 @@ from backboard.worker.input_batch import build_step
 from backboard.worker.step import StepPlan
 
 # Deferred rows kept per request: positions further back than this stay holes. The log of steps
-# off is a ring of max_num_seqs times this plus a step's token budget rows, allocated the first
-# time speculation is off (64 requests x 512 x hidden 5120 in bf16: 335 MB, which the KV
-# planning does not count).
+# off is a ring of up to max_num_seqs times this plus a step's token budget rows, grown as steps
+# off come (64 requests x 512 x hidden 5120 in bf16: 335 MB at most, which the KV planning does
+# not count).
 DEFERRED_ROWS_MAX = 512
 
 

@@ -90,6 +90,18 @@ def test_deferred_steps_ring_wraps():
     assert log.num_rows == 0 and not log.steps
 
 
+def test_deferred_steps_ring_grows_to_its_bound():
+    """The ring starts at first_rows and doubles while a step does not fit before its end (rows
+    kept where they were), up to max_rows; past that it wraps."""
+    log = DeferredSteps(cap=50, max_rows=24, first_rows=4)
+    hs = [_step(log, {"r": (2 * i, 2)}) for i in range(7)]   # 3 rows a step: 21 rows, none dropped
+    assert len(log.ring) == 24 and log.num_rows == 21 and len(log.steps) == 7
+    assert torch.equal(log.take(["r"], np.array([14]))[0], torch.cat([h[:2] for h in hs]))
+    hs = [_step(log, {"r": (2 * i, 2)}) for i in range(9)]   # 27 rows > 24: the oldest goes
+    assert len(log.ring) == 24 and len(log.steps) == 8
+    assert torch.equal(log.take(["r"], np.array([18]))[0], torch.cat([h[:2] for h in hs[1:]]))
+
+
 def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model, monkeypatch):
     """Speculation on one step in three (k = 3), off otherwise: every position of every request
     up to its last catch-up went through the head (contiguous from 0), and outputs stay those
