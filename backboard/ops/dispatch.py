@@ -5,8 +5,9 @@ Every entry point here has the signature of its torch reference and returns the 
 layer calls `dispatch.x(...)` and never needs to know which one ran.
 
 Selection (`use_triton(*tensors)`), read at every call outside a forward; inside one
-(`fixed_selection()`, entered by forward_context.set_forward_context) the environment is read
-once at its start, so a decode step's ~60 kernel calls do not each read it again (266 os.environ
+(`fixed_selection()`, entered by the model runner for each engine step and by
+forward_context.set_forward_context for a forward outside one) the environment is read once at its
+start, so a decode step's ~60 kernel calls do not each read it again (266 os.environ
 lookups a step on the CPU benchmark checkpoint before):
   BACKBOARD_KERNELS=torch   always the torch reference
   BACKBOARD_KERNELS=triton  always the Triton kernel; raises if triton cannot be imported, or if
@@ -65,8 +66,8 @@ _triton_ok: bool | None = None          # cached result of the import probe
 
 class Selection:
     """What the environment says, read once: the mode, whether the C++ CPU kernels may run, and
-    their compiled families (None: not built), looked up on first use (a GPU forward never
-    builds the CPU kernels)."""
+    the GEMM family (None: not built), looked up on first use (a GPU forward never builds the CPU
+    kernels); the decode ops' family is held by cpu_ops.scope(), entered with it."""
 
     def __init__(self) -> None:
         self.mode = _env_mode()
@@ -76,12 +77,8 @@ class Selection:
     def gemm(self) -> ModuleType | None:
         return cpu_gemm.module() if self.cpu_kernels else None
 
-    @functools.cached_property
-    def decode_ops(self) -> ModuleType | None:
-        return cpu_ops.kernels() if self.cpu_kernels else None
 
-
-_fixed: Selection | None = None         # set for the duration of a forward
+_fixed: Selection | None = None         # set for the duration of an engine step (or a lone forward)
 
 
 # ---- selection ---------------------------------------------------------------------------------
@@ -188,7 +185,7 @@ def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
         return False
-    return (_fixed.decode_ops if _fixed is not None else cpu_ops.kernels()) is not None
+    return cpu_ops.kernels() is not None        # resolved once per fixed_selection (cpu_ops.scope)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
