@@ -1,12 +1,13 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
 // the GDN decode / verify step, paged decode attention, causal prefill attention (AVX512-BF16
-// builds), RMSNorm (+ residual), the GDN gated
-// norm, SiLU-mul, the attention prologue (q / k norm, RoPE, K/V cache write), greedy argmax and
-// random sampling's draw. Each has the signature of its torch reference (the Python wrapper
+// builds), RMSNorm (+ residual), the GDN gated norm, SiLU-mul, the attention prologue (q / k
+// norm, RoPE, K/V cache write), greedy argmax, random sampling's draw and the prefix cache's
+// block / slot copies. Each has the signature of its torch reference (the Python wrapper
 // backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
 #include <torch/csrc/utils/pybind.h>
 
 #include "argmax.h"
+#include "cache_copy.h"
 #include "gdn_decode.h"
 #include "norm_act.h"
 #include "paged_attention.h"
@@ -51,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table_row"), py::arg("seq_len"),
         py::arg("scale"), py::arg("use_amx") = true);
 #endif
+  m.def("copy_slices", &bb::copy_slices,
+        "slices src -> dst along dim 0 or 1 of every tensor, in order (see ops.cache_copy.copy_slices_ref)");
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
   m.def("sample_inverse_cdf", &bb::sample_inverse_cdf,
         "one token a row of probabilities [R, V] at uniforms [R] (see ops.sampling.sample_inverse_cdf_ref)");

@@ -1,7 +1,7 @@
 """The fused CPU decode ops (C++ in this folder: decode_ops.cpp and its headers), one call each
 where the torch references take several: the GDN decode / verify step, paged decode attention,
 RMSNorm (plain, Norm0, with the residual add), the GDN gated output norm, SiLU-mul and the
-attention prologue (q / k norm, RoPE, K/V cache write).
+attention prologue (q / k norm, RoPE, K/V cache write), and the prefix cache's slice copies.
 
 Every function has the signature of its torch reference and returns the same thing (to the
 rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
@@ -16,6 +16,7 @@ rounding the references do), so ops/dispatch.py swaps them in for CPU tensors:
     ops.rotary.qk_norm_rope_write_kv_ref       -> qk_norm_rope_write_kv
     ops.sampling.sample_inverse_cdf_ref        -> sample_inverse_cdf
     ops.sampling.sample_logits_ref             -> sample_logits
+    ops.cache_copy.copy_slices_ref             -> copy_slices (any dtype)
 
 The extension is compiled on first use per instruction-set level (build.py); `isa=None` takes
 this CPU's best level (or $BACKBOARD_CPU_ISA), tests pass a level to cover the others. Tensors
@@ -127,6 +128,13 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the last L of seq_len tokens already in the caches -> [L, nh, D]. On amx_bf16 builds the
     products run on AMX tiles (use_amx=False: on VDPBF16PS, as avx512_bf16 builds do)."""
     return _mod(isa).paged_attention_prefill(q, k_cache, v_cache, block_table_row, seq_len, scale, use_amx)
+
+
+def copy_slices(tensors: list[torch.Tensor], copies: list[tuple[int, int]], dim: int, *,
+                isa: str | None = None) -> None:
+    """See ops.cache_copy.copy_slices_ref: (src, dst) slices along dim 0 or 1 of contiguous CPU
+    tensors (any dtype), in order."""
+    _mod(isa).copy_slices(list(tensors), dim, [s for s, _ in copies], [d for _, d in copies])
 
 
 def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
