@@ -58,7 +58,7 @@ def test_state_slots_along_dim1(isa, copies):
 @isa_param
 def test_large_copies_split_over_threads_stay_exact(isa):
     built(isa)
-    ours, ref = _pair([(40, 16, 8, 128)] * 3, torch.bfloat16)   # 32 KB a block, 32 pairs
+    ours, ref = _pair([(40, 16, 8, 128)] * 3, torch.bfloat16)   # 32 KB a block, 16 pairs: tasks on both threads
     copies = [(i, 20 + i) for i in range(16)]
     decode_ops.copy_slices(ours, copies, 0, isa=isa)
     copy_slices_ref(ref, copies, 0)
