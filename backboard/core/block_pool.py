@@ -84,6 +84,14 @@ class BlockPool:
                 del self._free[b]
             self._ref[b] += 1
 
+    def refresh(self, blocks: Iterable[int]) -> None:
+        """Mark cached-free blocks as just used (to the free queue's tail: evicted last). For a
+        block a hit only copies from (the partial block of a chain): no reference is taken, so
+        without this it would age out while every request still resumes from it."""
+        for b in blocks:
+            if self._ref[b] == 0:
+                self._free.move_to_end(b)
+
     def num_reclaimed_by_touch(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` are cached-free: touching them takes them out of the free queue."""
         return sum(1 for b in blocks if self._ref[b] == 0)

@@ -301,6 +301,8 @@ class PrefixCache:
         if not self._make_room(lambda: self.kv.num_short_with_prefix(req, hit.block_ids, num_new_tokens),
                                lambda: self._slots_short(), protect):
             return None
+        if hit.partial_src is not None:                 # copied, not shared: keep it cached as used
+            self.kv.pool.refresh([hit.partial_src])
         new = self.kv.allocate_with_prefix(req, hit.block_ids, num_new_tokens)
         if self.states is not None:
             self.states.allocate(req)

@@ -61,6 +61,19 @@ def test_pool_lru_evicts_least_recently_freed_cached_block_first():
         p.check_integrity([[a[0]], [a[3]]])       # a2's owner missing
 
 
+def test_pool_refresh_moves_cached_free_blocks_to_the_back_of_the_lru():
+    p = BlockPool(4, enable_caching=True)
+    a = p.allocate(4)
+    for i, b in enumerate(a):
+        assert p.cache_block(b, bytes([i]))
+    p.free([a[0], a[1], a[2]])    # LRU order a0, a1, a2; a3 stays owned
+    p.refresh([a[0], a[3]])       # a0 just used; an owned block is not in the queue: no change
+    assert p.num_free == 3 and p.ref_count(a[3]) == 1
+    assert p.allocate(2) == [a[1], a[2]]
+    assert p.cached_block(bytes([0])) == a[0]
+    p.check_integrity([[a[1]], [a[2]], [a[3]]])
+
+
 def test_pool_dedupes_hashes_and_refuses_double_free():
     p = BlockPool(3, enable_caching=True)
     a, b = p.allocate(2)
@@ -118,6 +131,25 @@ def test_dense_proposer_kv_resumes_one_token_before_the_block_end():
     add(s, "b", a[:17] + [0])
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 15 and len(so.kv_block_copies) == 1
+
+
+def test_dense_partial_block_a_hit_copies_from_stays_cached_while_used():
+    """A hit that copies a chain's last block (with a proposer's KV: one token before its end)
+    takes no reference on it; it must still count as used, or it ages out of the LRU while every
+    repeat of the prompt resumes from it (SmolLM2's draft-head engine recomputed a block for a
+    quarter of its requests)."""
+    s, w = make(blocks=24, bs=4, slots=None, proposer_kv=True, max_num_seqs=1)
+    a = prompt(4, 8)
+    for i in range(12):
+        add(s, f"a{i}", a, max_tokens=2)
+        so = s.schedule()
+        assert so.new_reqs[0].num_computed_tokens == (0 if i == 0 else 7), i
+        assert len(so.kv_block_copies) == (0 if i == 0 else 1)
+        s.update_from_output(so, w.execute(so))
+        run(s, w)
+        add(s, f"f{i}", prompt(100 + i, 18), max_tokens=2)   # 5 fresh blocks: the LRU turns over
+        run(s, w)
+    assert s.stats().prefix_cache_hits == 11 * 7
 
 
 def test_caching_off_changes_nothing():
