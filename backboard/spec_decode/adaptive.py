@@ -26,7 +26,8 @@ corrects their level against k = 0; at sixteen the steps' own tokens lead, and a
 acceptance inflated by the answers' easier openings no longer turns speculation on.
 
 With k = 0 the proposer runs no model (it only keeps the target's hidden states of the step, so
-that turning speculation back on catches its cache up instead of leaving holes), so speculation
+that turning speculation back on catches its cache up instead of leaving holes; once off is
+`dormant`, confirmed by probes backed off to their longest gap, not even that), so speculation
 that does not pay is never slower than none. Exploration: the first steps alternate k = 1 and 0
 so that the fit sees both row counts; later, every `probe_every` steps try another side (when
 on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
@@ -151,6 +152,7 @@ class AdaptiveK:
         self._probe_turn = 0                         # probes while on: k = 0 and the other ks in turn
         self._seen: dict = {}                        # timings seen per kind (_warm)
         self._held = (-1, 0)                         # (batch class, until step): off, not asked again
+        self.dormant = False                         # off confirmed by probes backed off to the most
 
     # what is measured ---------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -281,7 +283,9 @@ class AdaptiveK:
         if not probe and held[0] == batch_class(n) and self.steps < held[1]:
             return 0
         best, cand, rates = self._rated(n)
-        if best == 0 and n >= HOLD_MIN_REQUESTS:
+        if best:
+            self.dormant = False
+        elif n >= HOLD_MIN_REQUESTS:
             self._held = (batch_class(n), self.steps + HOLD_OFF)
         return self._probe(best, cand, rates) if probe else best
 
@@ -302,6 +306,7 @@ class AdaptiveK:
         best k (the first catches the head up on the off stretch, the rest are steady steps
         with acceptance at every draft position); far from it, one step."""
         self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
+        self.dormant = best == 0 and self._probe_gap == 8 * self.probe_every
         self._next_probe = self.steps + self._probe_gap
         if best:
             others = [k for k in range(1, self.k_max + 1) if k != best]

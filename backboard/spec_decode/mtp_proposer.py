@@ -105,6 +105,9 @@ class MTPProposer(Proposer):
         qsl = plan.inputs.query_start_loc
         self.deferred.add(plan.req_ids, plan.num_computed, self._known_rows(plan), qsl[:-1], hidden)
 
+    def forget(self) -> None:
+        self.deferred.clear()
+
     @torch.inference_mode()
     def catch_up(self, plan: StepPlan, hidden: torch.Tensor) -> int:
         b = self.ctx.batch

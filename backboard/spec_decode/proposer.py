@@ -70,6 +70,10 @@ class Proposer:
         """Speculation is off this step (no catch-up): keep what a later catch-up needs (nothing
         for a proposer without a model)."""
 
+    def forget(self) -> None:
+        """Speculation is off and probes keep confirming it (AdaptiveK.dormant): drop what defer
+        kept; a later catch-up starts from its own step (the positions before stay holes)."""
+
     def draft(self, plan: StepPlan, hidden: torch.Tensor, k: int, who: np.ndarray) -> list[list[int]]:
         """Up to k drafts for each request index in `who` (batch order)."""
         raise NotImplementedError
@@ -85,12 +89,16 @@ class Proposer:
         who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
         self._observe_step(plan, result, len(who), decode)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
-        if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's k (timed) on all
-            k = broadcast_object(k)
+        dormant = self.adaptive.dormant
+        if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's choice (timed) on all
+            k, dormant = broadcast_object((k, dormant))
         self.last_k = k
         self.k_steps[k] += 1
-        if k == 0:
-            self.defer(plan, hidden)        # speculation off this step: no head work, its inputs kept
+        if k == 0:                          # speculation off this step: no head work
+            if dormant:
+                self.forget()               # off for good here: its upkeep is not paid either
+            else:
+                self.defer(plan, hidden)    # its inputs kept for the next catch-up
             return out
         t0 = time.perf_counter()
         caught_up = self._caught_up = self.catch_up(plan, hidden)

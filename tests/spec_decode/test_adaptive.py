@@ -14,7 +14,7 @@ from backboard.spec_decode.adaptive import AdaptiveK
 
 def _simulate(n, base_s, row_s, catchup_s, draft_s, acc, steps=200, seed=0, k_max=3,
               prompt_catchups=0, hidden_s=0.0, whole_steps=True, coverage=1.0, acc_early=None, early=0,
-              step_tokens=True) -> tuple[float, np.ndarray]:
+              step_tokens=True, ak: AdaptiveK | None = None) -> tuple[float, np.ndarray]:
     """-> (tokens/s with adaptive k) / (tokens/s without speculation), histogram of k. catchup_s:
     a steady-state catch-up (one row per accepted token + 1); prompt_catchups: that many
     catch-ups over a 300-row prompt (what the head does after a prefill) seen first. hidden_s:
@@ -22,9 +22,9 @@ def _simulate(n, base_s, row_s, catchup_s, draft_s, acc, steps=200, seed=0, k_ma
     only in whole steps (reported to observe_step when whole_steps). coverage: the share of
     requests that get drafts at all when k > 0 (n-gram finds no match for the others). acc_early:
     the acceptance of the first `early` steps (answers' openings) instead of acc. step_tokens:
-    whole steps report the tokens they emitted."""
+    whole steps report the tokens they emitted. ak: the controller (a new one when None)."""
     rng = np.random.default_rng(seed)
-    ak = AdaptiveK(k_max)
+    ak = AdaptiveK(k_max) if ak is None else ak
     for _ in range(prompt_catchups):
         ak.observe_draft(n, 300 * n, 300 * catchup_s / 2, draft_s)
     tokens = seconds = 0.0
@@ -214,3 +214,38 @@ def test_off_holds_for_a_few_steps_at_larger_batches(monkeypatch):
     assert len(asked) == 5
     ak._next_probe = ak.steps + 1
     assert ak.choose(4) > 0 and len(asked) == 6                     # a probe is not held back
+
+
+def test_dormant_once_probes_back_off_to_the_most_and_woken_by_a_choice_to_speculate():
+    """Off confirmed by probes backed off to their longest gap: dormant (the proposer keeps no
+    state for a catch-up); a choice that speculates ends it, and a probe that finds speculation
+    paying does too."""
+    ak = AdaptiveK(3)
+    for _ in range(6):                                  # speculation costs 3x the rows: never pays
+        ak.observe_verify(16, 0.010, False)
+        ak.observe_verify(32, 0.030, True)
+        ak.observe_draft(16, 32, 0.004, 0.004)
+    ak.steps = ak.explore_steps
+    gaps, dormant = [], []
+    while len(gaps) < 4:
+        next_probe = ak._next_probe
+        ak.choose(16)
+        if ak._next_probe != next_probe:                # a probe came: the next one is set
+            gaps.append(ak._probe_gap)
+            dormant.append(ak.dormant)
+    assert gaps == [32, 64, 128, 128] and dormant == [False, False, True, True]
+    assert all(ak.choose(16) == 0 and ak.dormant for _ in range(10))
+    for _ in range(40):                                 # now one request, and speculation pays there
+        ak.observe_verify(1, 0.010, False)
+        ak.observe_verify(4, 0.0101, True)
+        ak.observe_draft(1, 4, 0.0002, 0.0002)
+        ak.observe_acceptance([1, 1, 1], [1, 1, 1])
+    assert ak.choose(1) > 0 and not ak.dormant
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dormant_only_where_speculation_does_not_pay(seed):
+    ak_off, ak_on = AdaptiveK(3), AdaptiveK(3)
+    _simulate(16, 0.02, 0.0016, 0.009, 0.009, [0.25, 0.2, 0.2], steps=400, seed=seed, ak=ak_off)
+    _simulate(1, 0.08, 0.001, 0.004, 0.004, [0.6, 0.5, 0.5], steps=400, seed=seed, ak=ak_on)
+    assert ak_off.dormant and not ak_on.dormant

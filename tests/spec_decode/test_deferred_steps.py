@@ -102,13 +102,13 @@ def test_deferred_steps_ring_grows_to_its_bound():
     assert torch.equal(log.take(["r"], np.array([18]))[0], torch.cat([h[:2] for h in hs[1:]]))
 
 
-def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model, monkeypatch):
-    """Speculation on one step in three (k = 3), off otherwise: every position of every request
-    up to its last catch-up went through the head (contiguous from 0), and outputs stay those
-    without speculation."""
+def _catch_up_positions(monkeypatch, model, head, dormant: bool):
+    """Speculation on one step in three (k = 3), off otherwise (adaptive dormant on the off steps
+    when `dormant`): -> (the positions of each request's rows that went through the head in
+    catch-ups, the rows kept by the k = 0 steps at most, outputs, outputs without speculation)."""
     seen: dict[int, set[int]] = {}
     real_forward, real_catch_up = MTPProposer._forward, MTPProposer.catch_up
-    state = {"catching_up": False, "step": 0}
+    state = {"catching_up": False, "step": 0, "kept": 0}
 
     def forward(self, ids, hidden, q_lens, num_computed, rows):
         if state["catching_up"]:
@@ -125,21 +125,45 @@ def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model,
 
     def choose(self, n):
         state["step"] += 1
+        self.dormant = dormant and state["step"] % 3 != 0
         return 3 if state["step"] % 3 == 0 else 0
 
+    def defer(self, plan, hidden):
+        real_defer(self, plan, hidden)
+        state["kept"] = max(state["kept"], self.deferred.num_rows)
+
+    real_defer = MTPProposer.defer
     monkeypatch.setattr(MTPProposer, "_forward", forward)
     monkeypatch.setattr(MTPProposer, "catch_up", catch_up)
+    monkeypatch.setattr(MTPProposer, "defer", defer)
     monkeypatch.setattr(adaptive.AdaptiveK, "choose", choose)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 1000, int(n)).tolist() for n in (7, 19, 30, 12)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(soft_model, max_num_seqs=4, max_model_len=256,
-              speculative_config={"method": "draft_head", "draft_model": trained_draft_head[0],
-                                  "num_speculative_tokens": 3})
+    llm = LLM(model, max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "draft_head", "draft_model": head, "num_speculative_tokens": 3})
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert len(seen) == 4
+    assert llm.engine.runner.proposer.deferred.num_rows <= state["kept"]
+    base = LLM(model, max_num_seqs=4, max_model_len=256)
+    return seen, state["kept"], outs, [o.outputs[0].token_ids for o in base.generate(prompts, sp)]
+
+
+def test_head_cache_has_no_holes_after_off_steps(trained_draft_head, soft_model, monkeypatch):
+    """Every position of every request up to its last catch-up went through the head
+    (contiguous from 0), and outputs stay those without speculation."""
+    seen, kept, outs, base = _catch_up_positions(monkeypatch, soft_model, trained_draft_head[0], dormant=False)
+    assert len(seen) == 4 and kept > 0
     for row, pos in seen.items():
         assert pos == set(range(max(pos) + 1)), (row, sorted(set(range(max(pos) + 1)) - pos)[:10])
         assert max(pos) > 30                # the head caught up well into the outputs
-    base = LLM(soft_model, max_num_seqs=4, max_model_len=256)
-    assert outs == [o.outputs[0].token_ids for o in base.generate(prompts, sp)]
+    assert outs == base
+
+
+def test_dormant_speculation_keeps_nothing(trained_draft_head, soft_model, monkeypatch):
+    """Off confirmed by the probes (AdaptiveK.dormant): the k = 0 steps keep no hidden states
+    (SmolLM2's draft-head engine at C16: its off steps ran 2-5% slower than none's while they
+    did), a catch-up covers its own step only, and outputs stay exact."""
+    seen, kept, outs, base = _catch_up_positions(monkeypatch, soft_model, trained_draft_head[0], dormant=True)
+    assert kept == 0 and len(seen) == 4
+    assert all(len(pos) < max(pos) + 1 for pos in seen.values())     # the off steps' positions: holes
+    assert outs == base
