@@ -31,7 +31,8 @@ that turning speculation back on catches its cache up instead of leaving holes; 
 that does not pay is never slower than none. Exploration: the first steps alternate k = 1 and 0
 so that the fit sees both row counts; later, every `probe_every` steps try another side (when
 on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
-k, less and less often (up to 8x) while off stays the answer). Speculation is chosen only when
+k, less and less often (up to 8x) while off stays the answer; each batch class on its own
+schedule). Speculation is chosen only when
 its expected rate beats none by `margin` (off costs nothing). Off at 4 or more requests stands
 HOLD_OFF steps before the rates are asked again (probes and a new batch class still come at once).
 The acceptance prior is modest (0.3 for the first draft; each later position is rated like the
@@ -146,13 +147,13 @@ class AdaptiveK:
         self.draft = _LinearFit()
         self.whole = _StepSeconds()
         self.steps = 0
-        self._probe_gap = probe_every
         self.probe_len, self._probe_left, self._probe_k = probe_len, 0, 1
-        self._next_probe = explore_steps + probe_every
+        self._schedule: dict[int, tuple[int, int]] = {}    # batch class -> (its probe gap, step of its next probe)
+        self._dormant: set[int] = set()              # batch classes where off is confirmed (dormant)
         self._probe_turn = 0                         # probes while on: k = 0 and the other ks in turn
         self._seen: dict = {}                        # timings seen per kind (_warm)
         self._held = (-1, 0)                         # (batch class, until step): off, not asked again
-        self.dormant = False                         # off confirmed by probes backed off to the most
+        self.dormant = False                         # this step: off, confirmed by probes backed off to the most
 
     # what is measured ---------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -271,6 +272,7 @@ class AdaptiveK:
     # the choice ---------------------------------------------------------------------------
     def choose(self, n: int) -> int:
         self.steps += 1
+        self.dormant = False
         if not self.enabled or n == 0:
             return self.k_max
         if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
@@ -278,16 +280,20 @@ class AdaptiveK:
         if self._probe_left > 0:                     # inside a probe run
             self._probe_left -= 1
             return self._probe_k
-        probe = self.steps >= self._next_probe
+        c = batch_class(n)
+        probe = self.steps >= self._schedule.setdefault(c, (self.probe_every, self.steps + self.probe_every))[1]
         held = self._held
-        if not probe and held[0] == batch_class(n) and self.steps < held[1]:
+        if not probe and held[0] == c and self.steps < held[1]:
+            self.dormant = c in self._dormant
             return 0
         best, cand, rates = self._rated(n)
         if best:
-            self.dormant = False
+            self._dormant.discard(c)
         elif n >= HOLD_MIN_REQUESTS:
-            self._held = (batch_class(n), self.steps + HOLD_OFF)
-        return self._probe(best, cand, rates) if probe else best
+            self._held = (c, self.steps + HOLD_OFF)
+        k = self._probe(c, best, cand, rates) if probe else best
+        self.dormant = k == 0 and c in self._dormant
+        return k
 
     def _rated(self, n: int) -> tuple[int, int, np.ndarray]:
         """(the best k, the best k > 0, the rates of every k) at n requests."""
@@ -298,16 +304,21 @@ class AdaptiveK:
         best = cand if rates[cand] > self.margin * rates[0] else 0   # speculation must pay: off is never slower
         return best, cand, rates
 
-    def _probe(self, best: int, cand: int, rates: np.ndarray) -> int:
+    def _probe(self, c: int, best: int, cand: int, rates: np.ndarray) -> int:
         """A step (or a run) on another side, so that whole steps keep measuring it. On: one
         step at k = 0 or at another k, in turn (each is a clean whole-step sample: the step
         drafts and verifies that k). Off: probes of a losing speculation cost, so they back off
         while off stays the answer; where speculation is rated close to paying, a run at its
         best k (the first catches the head up on the off stretch, the rest are steady steps
-        with acceptance at every draft position); far from it, one step."""
-        self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every) if best == 0 else self.probe_every
-        self.dormant = best == 0 and self._probe_gap == 8 * self.probe_every
-        self._next_probe = self.steps + self._probe_gap
+        with acceptance at every draft position); far from it, one step. Each batch class keeps
+        its own gap (c): a drained batch that speculates does not bring a full one's probes back.
+        Off at the longest gap makes the class dormant until a choice there speculates."""
+        gap = min(2 * self._schedule[c][0], 8 * self.probe_every) if best == 0 else self.probe_every
+        self._schedule[c] = (gap, self.steps + gap)
+        if best == 0 and gap == 8 * self.probe_every:
+            self._dormant.add(c)
+        else:
+            self._dormant.discard(c)
         if best:
             others = [k for k in range(1, self.k_max + 1) if k != best]
             self._probe_turn += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backboard.spec_decode.adaptive import AdaptiveK
+from backboard.spec_decode.adaptive import AdaptiveK, batch_class
 
 
 def _simulate(n, base_s, row_s, catchup_s, draft_s, acc, steps=200, seed=0, k_max=3,
@@ -212,35 +212,72 @@ def test_off_holds_for_a_few_steps_at_larger_batches(monkeypatch):
     assert asked == [16, 16, 4, 2, 2]
     ak.choose(4)                                                    # held: off at 4 a step ago
     assert len(asked) == 5
-    ak._next_probe = ak.steps + 1
+    ak._schedule[batch_class(4)] = (ak.probe_every, ak.steps + 1)
     assert ak.choose(4) > 0 and len(asked) == 6                     # a probe is not held back
 
 
-def test_dormant_once_probes_back_off_to_the_most_and_woken_by_a_choice_to_speculate():
-    """Off confirmed by probes backed off to their longest gap: dormant (the proposer keeps no
-    state for a catch-up); a choice that speculates ends it, and a probe that finds speculation
-    paying does too."""
+def _off_at_16() -> AdaptiveK:
+    """A controller after exploring, where speculation at 16 requests costs 3x the rows."""
     ak = AdaptiveK(3)
-    for _ in range(6):                                  # speculation costs 3x the rows: never pays
+    for _ in range(6):
         ak.observe_verify(16, 0.010, False)
         ak.observe_verify(32, 0.030, True)
         ak.observe_draft(16, 32, 0.004, 0.004)
     ak.steps = ak.explore_steps
-    gaps, dormant = [], []
-    while len(gaps) < 4:
-        next_probe = ak._next_probe
-        ak.choose(16)
-        if ak._next_probe != next_probe:                # a probe came: the next one is set
-            gaps.append(ak._probe_gap)
+    return ak
+
+
+def _probes(ak: AdaptiveK, n: int, count: int) -> tuple[list[int], list[bool]]:
+    """Choices at n requests until `count` probes came: (the probe gap after each, whether the
+    first step off after it was dormant)."""
+    gaps, dormant, c = [], [], batch_class(n)
+    while len(gaps) < count:
+        before = ak._schedule.get(c)
+        ak.choose(n)
+        if ak._schedule[c] != before and before is not None:    # a probe came: the next one is set
+            gaps.append(ak._schedule[c][0])
+            while ak.choose(n):                                 # the probe's run
+                assert not ak.dormant
             dormant.append(ak.dormant)
-    assert gaps == [32, 64, 128, 128] and dormant == [False, False, True, True]
-    assert all(ak.choose(16) == 0 and ak.dormant for _ in range(10))
-    for _ in range(40):                                 # now one request, and speculation pays there
+    return gaps, dormant
+
+
+def _pays_at_one_request(ak: AdaptiveK) -> None:
+    for _ in range(40):
         ak.observe_verify(1, 0.010, False)
         ak.observe_verify(4, 0.0101, True)
         ak.observe_draft(1, 4, 0.0002, 0.0002)
         ak.observe_acceptance([1, 1, 1], [1, 1, 1])
+
+
+def test_dormant_once_probes_back_off_to_the_most_and_woken_by_a_choice_to_speculate():
+    """Off confirmed by probes backed off to their longest gap: dormant (the proposer keeps no
+    state for a catch-up); a choice that speculates ends it."""
+    ak = _off_at_16()
+    gaps, dormant = _probes(ak, 16, 4)
+    assert gaps == [32, 64, 128, 128] and dormant == [False, False, True, True]
+    assert all(ak.choose(16) == 0 and ak.dormant for _ in range(10))
+    _pays_at_one_request(ak)
     assert ak.choose(1) > 0 and not ak.dormant
+
+
+def test_each_batch_class_keeps_its_probe_schedule():
+    """A drained batch that speculates (one request, where it pays; long enough for its own
+    probes) leaves the full batch's backed-off probes and dormancy as they were: before, probes
+    at 16 requests came back every 16 steps after every tail."""
+    ak = _off_at_16()
+    _probes(ak, 16, 3)
+    assert ak.dormant and ak._schedule[batch_class(16)][0] == 128
+    _pays_at_one_request(ak)
+    ks = [ak.choose(1) for _ in range(200)]
+    assert sum(k > 0 for k in ks) >= 180 and ak._schedule[batch_class(1)][0] == ak.probe_every
+    for _ in range(60):                                 # the full batch still does not pay
+        ak.observe_verify(16, 0.010, False)
+        ak.observe_verify(32, 0.030, True)
+        ak.observe_draft(16, 32, 0.004, 0.004)
+    ks = [ak.choose(16) for _ in range(40)]
+    assert ks[1:] == [0] * 39                          # (the first: its probe, due while away)
+    assert ak.dormant and ak._schedule[batch_class(16)][0] == 128
 
 
 @pytest.mark.parametrize("seed", [0, 1])
