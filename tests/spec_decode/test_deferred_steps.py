@@ -167,3 +167,28 @@ def test_dormant_speculation_keeps_nothing(trained_draft_head, soft_model, monke
     assert kept == 0 and len(seen) == 4
     assert all(len(pos) < max(pos) + 1 for pos in seen.values())     # the off steps' positions: holes
     assert outs == base
+
+
+def test_a_step_with_nothing_to_draft_keeps_its_rows_after_a_dormant_one(trained_draft_head, soft_model, monkeypatch):
+    """Dormancy is the choice of the step that chose: a step whose rows are all prompt chunks
+    (nothing sampled, no choice) keeps its rows for the catch-up, even after a dormant step."""
+    kept = []
+    real_defer = MTPProposer.defer
+
+    def defer(self, plan, hidden):
+        real_defer(self, plan, hidden)
+        kept.append(int(self.deferred.num_rows))
+
+    def choose(self, n):
+        self.dormant = True
+        return 0
+
+    monkeypatch.setattr(MTPProposer, "defer", defer)
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", choose)
+    rng = np.random.default_rng(7)
+    short, long = (rng.integers(0, 1000, n).tolist() for n in (5, 60))
+    llm = LLM(soft_model, max_num_seqs=1, max_model_len=256, max_num_batched_tokens=16,
+              speculative_config={"method": "draft_head", "draft_model": trained_draft_head[0],
+                                  "num_speculative_tokens": 3})
+    llm.generate([short, long], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(kept) >= 3 and kept[-1] >= 40      # the long prompt's chunks, after the short one's dormant steps
