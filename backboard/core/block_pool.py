@@ -7,8 +7,9 @@ A block is in exactly one of three states:
   with the same prefix takes it back (`touch`) instead of recomputing it;
 - free: ref 0, in the free queue, no hash.
 `allocate` takes blocks from the head of the free queue; a cached-free block taken there is
-evicted (its hash forgotten). Blocks freed go to the tail, so the least recently used cached block
-is evicted first (LRU). A request's blocks are freed last-block-first: the tail of a sequence,
+evicted (its hash forgotten). Blocks freed go to the tail, and so does a cached-free block a hit
+copies from without sharing it (`refresh`), so the least recently used cached block is evicted
+first (LRU). A request's blocks are freed last-block-first: the tail of a sequence,
 the least likely part to be shared, is evicted before its prefix.
 
 Only full blocks whose KV is final get a hash (KVCacheManager.cache_full_blocks). When a block's
