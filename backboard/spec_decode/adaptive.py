@@ -32,9 +32,9 @@ that does not pay is never slower than none. Exploration: the first steps altern
 so that the fit sees both row counts; later, every `probe_every` steps try another side (when
 on, one step at k = 0 or at another k, in turn; when off, a run of `probe_len` steps at the best
 k, less and less often (up to 8x) while off stays the answer; each batch class on its own
-schedule). Speculation is chosen only when
-its expected rate beats none by `margin` (off costs nothing). Off at 4 or more requests stands
-HOLD_OFF steps before the rates are asked again (probes and a new batch class still come at once).
+schedule). Speculation is chosen only when its expected rate beats none by `margin` (off costs
+nothing). Off at 4 or more requests stands HOLD_OFF steps before the rates are asked again
+(probes and a new batch class still come at once).
 The acceptance prior is modest (0.3 for the first draft; each later position is rated like the
 one before it until it is measured)."""
 
@@ -149,11 +149,10 @@ class AdaptiveK:
         self.steps = 0
         self.probe_len, self._probe_left, self._probe_k = probe_len, 0, 1
         self._schedule: dict[int, tuple[int, int]] = {}    # batch class -> (its probe gap, step of its next probe)
-        self._dormant: set[int] = set()              # batch classes where off is confirmed (dormant)
+        self._dormant: set[int] = set()              # batch classes where off is confirmed (dormant())
         self._probe_turn = 0                         # probes while on: k = 0 and the other ks in turn
         self._seen: dict = {}                        # timings seen per kind (_warm)
         self._held = (-1, 0)                         # (batch class, until step): off, not asked again
-        self.dormant = False                         # this step: off, confirmed by probes backed off to the most
 
     # what is measured ---------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -272,7 +271,6 @@ class AdaptiveK:
     # the choice ---------------------------------------------------------------------------
     def choose(self, n: int) -> int:
         self.steps += 1
-        self.dormant = False
         if not self.enabled or n == 0:
             return self.k_max
         if self.steps <= self.explore_steps or not (self.verify.ready and self.draft.ready):
@@ -284,16 +282,18 @@ class AdaptiveK:
         probe = self.steps >= self._schedule.setdefault(c, (self.probe_every, self.steps + self.probe_every))[1]
         held = self._held
         if not probe and held[0] == c and self.steps < held[1]:
-            self.dormant = c in self._dormant
             return 0
         best, cand, rates = self._rated(n)
         if best:
             self._dormant.discard(c)
         elif n >= HOLD_MIN_REQUESTS:
             self._held = (c, self.steps + HOLD_OFF)
-        k = self._probe(c, best, cand, rates) if probe else best
-        self.dormant = k == 0 and c in self._dormant
-        return k
+        return self._probe(c, best, cand, rates) if probe else best
+
+    def dormant(self, n: int) -> bool:
+        """Off at n requests is confirmed: its probes backed off to their longest gap and off
+        stayed the answer (until a choice at this batch class speculates)."""
+        return batch_class(n) in self._dormant
 
     def _rated(self, n: int) -> tuple[int, int, np.ndarray]:
         """(the best k, the best k > 0, the rates of every k) at n requests."""

@@ -89,7 +89,7 @@ class Proposer:
         who = np.array([i for i in range(B) if result.token_ids[i]], dtype=np.int64)
         self._observe_step(plan, result, len(who), decode)
         k = min(k_max, self.adaptive.choose(len(who))) if len(who) else 0
-        dormant = self.adaptive.dormant if len(who) else False      # (chosen this step)
+        dormant = k == 0 and self.adaptive.dormant(len(who))
         if self.num_extra_attn_layers:      # a model-based proposer's collectives: rank 0's choice (timed) on all
             k, dormant = broadcast_object((k, dormant))
         self.last_k = k

@@ -237,8 +237,8 @@ def _probes(ak: AdaptiveK, n: int, count: int) -> tuple[list[int], list[bool]]:
         if ak._schedule[c] != before and before is not None:    # a probe came: the next one is set
             gaps.append(ak._schedule[c][0])
             while ak.choose(n):                                 # the probe's run
-                assert not ak.dormant
-            dormant.append(ak.dormant)
+                pass
+            dormant.append(ak.dormant(n))
     return gaps, dormant
 
 
@@ -256,9 +256,9 @@ def test_dormant_once_probes_back_off_to_the_most_and_woken_by_a_choice_to_specu
     ak = _off_at_16()
     gaps, dormant = _probes(ak, 16, 4)
     assert gaps == [32, 64, 128, 128] and dormant == [False, False, True, True]
-    assert all(ak.choose(16) == 0 and ak.dormant for _ in range(10))
+    assert all(ak.choose(16) == 0 and ak.dormant(16) for _ in range(10))
     _pays_at_one_request(ak)
-    assert ak.choose(1) > 0 and not ak.dormant
+    assert ak.choose(1) > 0 and not ak.dormant(1) and ak.dormant(16)
 
 
 def test_each_batch_class_keeps_its_probe_schedule():
@@ -267,7 +267,7 @@ def test_each_batch_class_keeps_its_probe_schedule():
     at 16 requests came back every 16 steps after every tail."""
     ak = _off_at_16()
     _probes(ak, 16, 3)
-    assert ak.dormant and ak._schedule[batch_class(16)][0] == 128
+    assert ak.dormant(16) and ak._schedule[batch_class(16)][0] == 128
     _pays_at_one_request(ak)
     ks = [ak.choose(1) for _ in range(200)]
     assert sum(k > 0 for k in ks) >= 180 and ak._schedule[batch_class(1)][0] == ak.probe_every
@@ -277,7 +277,7 @@ def test_each_batch_class_keeps_its_probe_schedule():
         ak.observe_draft(16, 32, 0.004, 0.004)
     ks = [ak.choose(16) for _ in range(40)]
     assert ks[1:] == [0] * 39                          # (the first: its probe, due while away)
-    assert ak.dormant and ak._schedule[batch_class(16)][0] == 128
+    assert ak.dormant(16) and ak._schedule[batch_class(16)][0] == 128
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -285,4 +285,4 @@ def test_dormant_only_where_speculation_does_not_pay(seed):
     ak_off, ak_on = AdaptiveK(3), AdaptiveK(3)
     _simulate(16, 0.02, 0.0016, 0.009, 0.009, [0.25, 0.2, 0.2], steps=400, seed=seed, ak=ak_off)
     _simulate(1, 0.08, 0.001, 0.004, 0.004, [0.6, 0.5, 0.5], steps=400, seed=seed, ak=ak_on)
-    assert ak_off.dormant and not ak_on.dormant
+    assert ak_off.dormant(16) and not ak_on.dormant(1)

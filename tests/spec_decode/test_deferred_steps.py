@@ -125,7 +125,10 @@ def _catch_up_positions(monkeypatch, model, head, dormant: bool):
 
     def choose(self, n):
         state["step"] += 1
-        self.dormant = dormant and state["step"] % 3 != 0
+        if dormant and state["step"] % 3 != 0:
+            self._dormant.add(adaptive.batch_class(n))
+        else:
+            self._dormant.discard(adaptive.batch_class(n))
         return 3 if state["step"] % 3 == 0 else 0
 
     def defer(self, plan, hidden):
@@ -180,7 +183,7 @@ def test_a_step_with_nothing_to_draft_keeps_its_rows_after_a_dormant_one(trained
         kept.append(int(self.deferred.num_rows))
 
     def choose(self, n):
-        self.dormant = True
+        self._dormant.add(adaptive.batch_class(n))
         return 0
 
     monkeypatch.setattr(MTPProposer, "defer", defer)
