@@ -32,13 +32,13 @@ CASES = {
 }
 
 
-def make_inputs(B, L, nk, nv, dk, dv, K, dst_kind, init, dtype, index_dtype=torch.int64):
+def make_inputs(B, L, nk, nv, dk, dv, K, dst_kind, init, dtype, index_dtype=torch.int64, A_range=(1, 16)):
     C = 2 * nk * dk + nv * dv
     proj = torch.randn(B * L, C + nv * dv + 2 * nv).to(dtype)
     weight = (torch.randn(C, K) * 0.5).to(dtype)
     conv = torch.randn(NUM_SLOTS, K - 1, C).to(dtype)
     ssm = torch.randn(NUM_SLOTS, nv, dk, dv) * 0.1
-    A_log = torch.empty(nv).uniform_(1, 16).log()
+    A_log = torch.empty(nv).uniform_(*A_range).log()
     dt_bias = torch.randn(nv).to(dtype)
     norm_w = (1 + 0.1 * torch.randn(dv)).to(dtype)
     src = torch.tensor([3, 7, 1])[:B]
@@ -77,6 +77,22 @@ def test_gdn_decode_matches_reference(case, dtype, isa, close):
     assert torch.equal(conv, conv_ref)                  # every slot, written or not: exact copies
     close(ssm, ssm_ref, **TOL[dtype])
     assert not torch.equal(ssm_ref, args[6])            # the states really moved
+
+
+@isa_param
+@pytest.mark.parametrize("A_range", [(0.002, 0.02), (0.2, 1.0)], ids=["never-rescales", "rescales-often"])
+def test_long_prompt_keeps_the_decay_as_a_scale(A_range, isa, close):
+    """A prompt's rows keep the state divided by the running product of decays (ops/cpu/
+    gdn_decode.h, delta_span): over 300 rows at mild decays that product falls to ~1e-2 and is
+    never folded back, at stronger ones it passes kMinScale every few dozen rows and the tile is
+    rescaled; both match the reference row by row, and the final state in real scale."""
+    built(isa)
+    args, kw = make_inputs(1, 300, 1, 2, 128, 128, 4, "other", "all", torch.float32, A_range=A_range)
+    (out, conv, ssm), (ref, conv_ref, ssm_ref) = run_both(
+        args, kw, lambda *a, **k: decode_ops.gdn_decode(*a, **k, isa=isa))
+    close(out, ref, **TOL[torch.float32])
+    close(ssm, ssm_ref, **TOL[torch.float32])
+    assert torch.equal(conv, conv_ref)
 
 
 @isa_param

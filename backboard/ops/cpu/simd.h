@@ -268,9 +268,15 @@ inline VF vexp(VF x) {
   VF p = VF::set1(kExpP[0]);
   for (int i = 1; i < 6; ++i) p = fma(p, r, VF::set1(kExpP[i]));
   VF y = fma(p, r * r, r + VF::set1(1.f));
+#if BB_VEC_AVX512
+  // y * 2^n in one VSCALEFPS (exact, n = 128 included): 17 operations where the two-step
+  // scale took 27; silu_mul over 1040 x 2048 bf16 on 2 Zen 5 cores 0.385 -> 0.32 ms
+  return zero_below(VF(_mm512_scalef_ps(y.v, n.v)), x, kExpLo);
+#else
   // n = 128 only when x rounds to the top of the range: split the scale in two halves
   VF half = vround(n * VF::set1(0.5f));
   return zero_below(y * pow2n(half) * pow2n(n - half), x, kExpLo);
+#endif
 }
 
 // 1 / d (fp32-exact to about 1e-7: AVX-512's 14-bit estimate and one Newton step, a quarter of a
