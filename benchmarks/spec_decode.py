@@ -106,7 +106,8 @@ def interleaved_rows(model: str, specs: list[tuple[str, dict]], reqs, sp, C: int
     each; every chunk ends with fewer than C requests running, as a run does once), the order
     alternating chunk by chunk, `rounds` times over: the machine's drift (separate runs of the
     same engine moved by +-5% on these VMs) then hits both sides within seconds of each other.
-    Prints the ratio of the total tokens/s and the median of the chunks' ratios."""
+    Prints the ratio of the total tokens/s and the median of the chunks' ratios. A spec of None
+    (--control) is a second engine without speculation: the ratio two identical engines get."""
     base = LLM(model, max_num_seqs=C, max_model_len=1024)
     size = chunk * C
     chunks = [(reqs[i:i + size], sp[i:i + size]) for i in range(0, len(reqs), size)]
@@ -170,6 +171,7 @@ def real_text(args) -> None:
               ] if "ngram" in args.methods else []
     specs += [(f"draft_head k={k} fixed", {"method": "draft_head", "draft_model": draft, "num_speculative_tokens": k,
                                            "adaptive": False}) for k in args.fixed_k if heads]
+    specs += [("none (control)", None)] if args.control else []
     for C in [int(c) for c in args.concurrency.split(",") if c]:     # --concurrency "": acceptance only
         n = max(10 * C, 16)
         rows = (reqs * (1 + n // len(reqs)))[:n], speed_params(args, n), C
@@ -273,6 +275,9 @@ def main() -> None:
                          "them in alternating chunks, ROUNDS times over (finer than --repeats' pairs)")
     ap.add_argument("--interleave-chunk", type=int, default=2, metavar="N",
                     help="with --interleave: chunks of N x C requests (10: the whole run's requests)")
+    ap.add_argument("--control", action="store_true",
+                    help="real text: also a row of a second engine without speculation against the first (the "
+                         "harness's own spread: two identical engines measured the same way)")
     ap.add_argument("--fixed-k", type=lambda s: [int(k) for k in s.split(",") if k], default=[],
                     help="real text: also speed rows of the draft head at these fixed k (e.g. 2,3)")
     ap.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=["draft_head", "ngram"],
