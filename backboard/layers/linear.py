@@ -31,10 +31,10 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.output_sizes}"
 
 
-def bf16_linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
-    """The (out, in) shapes of the model's bf16 Linear weights (the CPU GEMM warms oneDNN on them)."""
-    return {tuple(m.weight.shape) for m in model.modules()
-            if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16}
+def bf16_linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The model's bf16 Linear weights [out, in] (the CPU GEMM packs them for oneDNN and warms its
+    kernels on their shapes)."""
+    return [m.weight for m in model.modules() if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
 
 
 class Int4Linear(nn.Module):

@@ -249,18 +249,35 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
                     gemm.isa() if gemm else "torch", ops.isa() if ops else "torch")
 
 
-def warm_cpu_gemm(device: torch.device, shapes: set[tuple[int, int]], max_rows: int) -> None:
-    """Have oneDNN compile its bf16 matmul for these weight shapes (N, K) at the row counts the
-    CPU GEMM's native path gives it up to max_rows (ops/cpu/gemm.py: else a served prompt of a new
-    length pays ~1 ms per shape, 5-7 ms with AMX). A no-op where that path does not run."""
-    if not _cpu_kernels_on(device) or not shapes:
+def warm_cpu_gemm(device: torch.device, weights: list[torch.Tensor], max_rows: int) -> None:
+    """Where the CPU GEMM's native path runs (ops/cpu/gemm.py): keep these bf16 weights [N, K]
+    packed in oneDNN's layout too where the copies fit the memory left (pack_native), and have
+    oneDNN compile its bf16 matmul for their shapes at the row counts the path gives it up to
+    max_rows (else a served prompt of a new length pays ~1 ms per shape, 5-7 ms with AMX)."""
+    if not _cpu_kernels_on(device) or not weights:
         return
     mod = cpu_gemm.module()
     if mod is None or not cpu_gemm.native_row_counts(max_rows, mod):
         return
     t0 = time.monotonic()
-    n = cpu_gemm.warm_native(shapes, max_rows, mod=mod)
-    logger.info("oneDNN bf16 matmuls compiled for %d (rows, shape) pairs in %.1f s", n, time.monotonic() - t0)
+    packed = cpu_gemm.pack_native(weights, available_memory(), mod=mod)
+    shapes = {tuple(w.shape) for w in weights}
+    n = cpu_gemm.warm_native(shapes, max_rows, mod=mod, packed=packed > 0)
+    logger.info("oneDNN bf16 matmuls: weights %s; compiled for %d (rows, shape) pairs in %.1f s",
+                f"packed ({packed / 2**20:.0f} MiB more)" if packed else "not packed (no room)", n,
+                time.monotonic() - t0)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def int8_lm_head_rows_max(device: torch.device) -> int | None:

@@ -25,7 +25,7 @@ from backboard.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backboard.distributed.parallel_state import all_min, broadcast_object, tp_rank, tp_size
 from backboard.distributed.shard import local_model_config
 from backboard.forward_context import set_forward_context
-from backboard.layers.linear import bf16_linear_shapes
+from backboard.layers.linear import bf16_linear_weights
 from backboard.models.loader import load_model, torch_dtype
 from backboard.ops import dispatch
 from backboard.ops.token_bitmask import apply_token_bitmask
@@ -54,12 +54,13 @@ class ModelRunner:
         self.model = load_model(mc, str(self.device))
         self.load_time_s = time.time() - t0
         dispatch.prepare_cpu_kernels(self.device, self.dtype)   # build / load them now, not in a step
-        dispatch.warm_cpu_gemm(self.device, bf16_linear_shapes(self.model), sc.max_num_batched_tokens)
         self.block_size = cfg.cache.block_size
         # CUDA graphs are not captured under TP yet (the collectives would have to be captured too)
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and mc.num_experts == 0
                       and tp_size() == 1)
         self._allocate_caches(proposer, use_graphs)
+        # after the caches: the packed weight copies take only what memory they leave
+        dispatch.warm_cpu_gemm(self.device, bf16_linear_weights(self.model), sc.max_num_batched_tokens)
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)

@@ -277,6 +277,33 @@ def test_onednn_sees_only_padded_row_counts(mod, M, monkeypatch):
     assert gemm.warm_native({(96, 80)}, 1000, budget_s=-1, mod=mod) == 0
 
 
+@pytest.mark.parametrize("M", (200, 1000))
+def test_packed_weights_give_the_same_product(mod, M, monkeypatch):
+    """pack_native keeps a oneDNN-layout copy of each bf16 weight (all or none: within
+    PACK_MAX_SHARE of the memory available); the native path then multiplies by it, padded as
+    before, bit for bit the product of the plain weight; warm_native compiles the packed kernels."""
+    if gemm.POLICY[mod.isa()][2] != "native":
+        assert gemm.pack_native([torch.randn(96, 80).bfloat16()], 1 << 40, mod=mod) == 0
+        return
+    w, b, w2 = torch.randn(96, 80).bfloat16(), torch.randn(96).bfloat16(), torch.randn(32, 80).bfloat16()
+    x = torch.randn(M, 80).bfloat16()
+    plain = gemm.linear_bf16(x, w, b, mod=mod)
+    need = (96 + 32) * 80 * 2
+    assert gemm.pack_native([w, w2, w], int(need / gemm.PACK_MAX_SHARE) - 1, mod=mod) == 0   # no room
+    assert getattr(w, gemm.PACKED_ATTR, None) is None
+    assert gemm.pack_native([w, w2, w], int(need / gemm.PACK_MAX_SHARE), mod=mod) == need
+    assert getattr(w, gemm.PACKED_ATTR).is_mkldnn and getattr(w2, gemm.PACKED_ATTR).is_mkldnn
+    seen, pointwise = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(gemm.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: seen.append(x.shape[0]) or pointwise(x, *a), raising=False)
+    monkeypatch.setattr(gemm.F, "linear", lambda *a: pytest.fail("the plain weight was used"))
+    packed = gemm.linear_bf16(x, w, b, mod=mod)
+    assert torch.equal(packed, plain) and seen == [-(-M // gemm.native_row_block(mod)) * gemm.native_row_block(mod)]
+    seen.clear()
+    counts = gemm.native_row_counts(1000, mod)
+    assert gemm.warm_native({(96, 80)}, 1000, mod=mod, packed=True) == len(counts) and seen == counts
+
+
 def test_fp32_activations_are_not_rounded_to_bf16(mod):
     """Weights in bf16, activations in fp32: products use the full fp32 x (a kernel that rounded x
     to bf16, as VDPBF16PS would, loses the 2^-12 terms)."""
@@ -389,27 +416,32 @@ def test_engines_build_the_kernels_before_their_first_request(monkeypatch):
 
 
 def test_the_runner_has_onednn_compile_the_models_shapes(monkeypatch):
-    """warm_cpu_gemm passes the bf16 Linear shapes to warm_native where the native path runs, and
-    nothing for other devices, with the kernels off, or without bf16 weights."""
+    """warm_cpu_gemm packs the model's bf16 Linear weights (where the copies fit the memory
+    available) and passes their shapes to warm_native where the native path runs, and nothing for
+    other devices, with the kernels off, or without bf16 weights."""
     from torch import nn
 
-    from backboard.layers.linear import Linear, bf16_linear_shapes
+    from backboard.layers.linear import Linear, bf16_linear_weights
     model = nn.Sequential(Linear(64, [32, 32], torch.bfloat16), Linear(64, 48, torch.bfloat16),
                           Linear(64, 48, torch.bfloat16), Linear(16, 8, torch.float32), nn.Linear(4, 4))
-    shapes = bf16_linear_shapes(model)
-    assert shapes == {(64, 64), (48, 64)}
-    calls = []
-    monkeypatch.setattr(gemm, "warm_native", lambda s, m, mod=None: calls.append((s, m)) or 0)
+    weights = bf16_linear_weights(model)
+    shapes = {(64, 64), (48, 64)}
+    assert {tuple(w.shape) for w in weights} == shapes and len(weights) == 3
+    calls, packs = [], []
+    monkeypatch.setattr(gemm, "warm_native", lambda s, m, mod=None, packed=False: calls.append((s, m, packed)) or 0)
+    monkeypatch.setattr(gemm, "pack_native", lambda ws, avail, mod=None: packs.append(len(ws)) or 7)
     monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
     monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
     cpu = torch.device("cpu")
-    dispatch.warm_cpu_gemm(cpu, shapes, 512)
-    dispatch.warm_cpu_gemm(torch.device("cuda"), shapes, 512)
-    dispatch.warm_cpu_gemm(cpu, set(), 512)
+    dispatch.warm_cpu_gemm(cpu, weights, 512)
+    dispatch.warm_cpu_gemm(torch.device("cuda"), weights, 512)
+    dispatch.warm_cpu_gemm(cpu, [], 512)
     with dispatch.override("torch"):
-        dispatch.warm_cpu_gemm(cpu, shapes, 512)
+        dispatch.warm_cpu_gemm(cpu, weights, 512)
     native = bool(gemm.native_row_counts(512))
-    assert calls == ([(shapes, 512)] if native else [])
+    assert calls == ([(shapes, 512, True)] if native else [])
+    assert packs == ([3] if native else [])
+    assert dispatch.available_memory() > 0
 
 
 def test_disabled_kernels_fall_back_to_the_references(spy, monkeypatch):
