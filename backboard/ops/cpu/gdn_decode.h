@@ -173,6 +173,9 @@ inline void gdn_gates(float a, float b, float a_log, float dt_bias, float* decay
 // 4 value heads of 128 x 128 on 2 Zen 5 cores: 1.87 -> 1.57 ms a layer (two passes a row with the
 // decay multiplied in before; 1.17 ms of it is this span, the rest conv, gates and output norm).
 constexpr float kMinScale = 1e-20f;
+// state columns per block: 32 KiB of state at dk = 128 with AVX-512, so the tile stays near L1
+// over all L rows
+constexpr int64_t kColBlock = 4 * VF::N;
 
 struct SpanArgs {
   int64_t L, dk;
@@ -246,9 +249,9 @@ struct SpanCols {
     pass_for<false, false>(a, -1, w, 1.f, 1.f, kv, qs);       // load the tile; row 0's sums
     float G = 1.f;
     for (int64_t t = 0; t < a.L; ++t) {
-      const float g = a.decay[t], gG = g * G, Gn = gG;
+      const float Gn = a.decay[t] * G;                        // g_t G_{t-1}
       const bool rescale = !(Gn >= kMinScale);
-      const VF vgG = VF::set1(gG), vb = VF::set1(a.beta[t]), vqk = VF::set1(a.qk[t]);
+      const VF vgG = VF::set1(Gn), vb = VF::set1(a.beta[t]), vqk = VF::set1(a.qk[t]);
       const VF inv = VF::set1(rescale ? 1.f : 1.f / Gn);
       const float* v = a.v + t * a.v_stride;
       float* o = a.o + t * a.o_stride;
@@ -264,9 +267,10 @@ struct SpanCols {
   }
 };
 
-// every column of the state over all L rows: blocks of kColBlock columns, then single vectors
+// every column of the state over all L rows: blocks of kColBlock columns, then single vectors;
+// tile: [dk][kColBlock] scratch
 inline void delta_span(SpanArgs a, int64_t dv, float* tile) {
-  constexpr int64_t W = 4 * VF::N;
+  constexpr int64_t W = kColBlock;
   float* const* copy0 = a.copy;
   std::vector<float*> shifted(a.L);
   for (int64_t c = 0; c < dv;) {
@@ -287,10 +291,6 @@ inline void delta_span(SpanArgs a, int64_t dv, float* tile) {
 }
 
 // ---- the task: request b, key head kh ------------------------------------------------------
-// state columns per block over several rows: 32 KiB of state at dk = 128 with AVX-512, so the
-// tile stays near L1 over all L rows
-constexpr int64_t kColBlock = 4 * VF::N;
-
 template <typename T>
 void gdn_task(const GdnArgs<T>& a, int64_t b, int64_t kh) {
   const GdnShape& s = a.s;

@@ -226,8 +226,15 @@ def pack_native(weights: list[torch.Tensor], available_bytes: int | None, mod=No
     if not todo or total > PACK_MAX_SHARE * available_bytes:
         return 0
     for w in todo.values():
-        setattr(w, PACKED_ATTR, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), NATIVE_ROW_BLOCK))
+        _pack(w)
     return total
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """w bf16 [N, K], with its oneDNN-layout copy attached (the row count is only a layout hint:
+    the copy serves every row count alike)."""
+    setattr(w, PACKED_ATTR, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), NATIVE_ROW_BLOCK))
+    return w
 
 
 def native_row_counts(max_rows: int, mod=None) -> list[int]:
@@ -250,7 +257,7 @@ def warm_native(shapes: set[tuple[int, int]], max_rows: int, budget_s: float = 5
     t0, n = time.monotonic(), 0
     weights = {s: torch.zeros(s, dtype=torch.bfloat16) for s in sorted(shapes)}
     if packed:
-        pack_native(list(weights.values()), 1 << 62, mod)
+        weights = {s: _pack(w) for s, w in weights.items()}
     for M in native_row_counts(max_rows, mod):
         for (_, K), w in weights.items():
             if time.monotonic() - t0 > budget_s:
