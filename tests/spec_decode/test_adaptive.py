@@ -272,7 +272,7 @@ def test_dormant_asks_the_rates_only_at_its_probes(monkeypatch):
     asked = []
     real = AdaptiveK._rated
     monkeypatch.setattr(AdaptiveK, "_rated", lambda self, n: asked.append(ak.steps) or real(self, n))
-    gap, due = ak._schedule[batch_class(16)]
+    due = ak._schedule[batch_class(16)][1]
     ks = [ak.choose(16) for _ in range(due - ak.steps)]
     assert ks[:-1] == [0] * (len(ks) - 1) and asked == [due]         # only the probe asked
     assert ak.choose(4) == 0 and asked[-1] == ak.steps               # another class: asked
