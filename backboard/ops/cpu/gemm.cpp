@@ -11,7 +11,7 @@
 //          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
-//          reads its channels one after another instead (gemv: a single address-order stream),
+//          reads its channels one after another instead (gemv in gemm_gemv.h: a single stream),
 //          and so do two bf16 rows over a bf16 weight of 8M+ elements in short rows (gemv_rows).
 //   lanes  bf16 x with 16+ rows (12+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
 //          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
@@ -37,6 +37,8 @@
 
 #include "big_alloc.h"
 #include "gemm_formats.h"
+#include "gemm_gemv.h"
+#include "gemm_out.h"
 #include "gemm_simd.h"
 #if defined(BB_ISA_AVX512_BF16)
 #include "gemm_lanes.h"
@@ -58,52 +60,6 @@ constexpr int MB = 4, NB = 2;   // 8 + 4 + 1 of 16 registers (2 x 4 is as fast)
 #else
 constexpr int MB = 2, NB = 2;
 #endif
-
-// software prefetch of weights PF_TILES tiles ahead, into L2 (into L1 it was slower: the L1 miss
-// buffers fill up; measured on a Zen 4, 2x on the LM head's GEMV). On another Zen 4 (66 GB/s
-// with 2 cores) distances of 8 to 128 KiB gave the same best-of-18 GEMV rate, 44 GB/s.
-constexpr int PF_TILES = 2;
-inline void prefetch(const void* p) {
-#if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
-struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 bias [N]
-  float* yf; uint16_t* yb; int64_t ldy; const float* bias;
-};
-
-// y[m0 + i, n0 + j] = sums[i * TN + j] + the K tail past kv, times the row scale, plus the bias
-template <class F, int TM, int TN>
-inline void store_sums(const F& f, const float* sums, const typename F::XT* xm, int64_t ldx, int64_t m0,
-                       int64_t n0, int64_t K, int64_t kv, const Out& o) {
-  for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) {
-      const int64_t m = m0 + i, n = n0 + j;
-      float s = sums[i * TN + j];
-      for (int64_t k = kv; k < K; ++k) s += f.scalar(n, k) * F::xs(xm[i * ldx + k]);
-      s = s * f.row_scale(n) + (o.bias ? o.bias[n] : 0.f);
-      if (o.yf) o.yf[m * o.ldy + n] = s;
-      else o.yb[m * o.ldy + n] = f32_to_bf16(s);
-    }
-}
-
-// every output channel in blocks of TN, threads over blocks: fn(n0, tn) with tn = TN, or 1 for
-// each channel of the last, partial block
-template <int TN, typename Fn>
-inline void for_channel_blocks(int64_t N, int64_t K, Fn&& fn) {
-  const int64_t nblocks = (N + TN - 1) / TN;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(K, 1) * TN));
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * TN;
-      if (n0 + TN <= N) fn(n0, std::integral_constant<int, TN>{});
-      else for (int64_t n = n0; n < N; ++n) fn(n, std::integral_constant<int, 1>{});
-    }
-  });
-}
 
 // acc[i][j] = x[m0 + i] . W[n0 + j] for an mb x nb tile (compile-time sizes), then stored
 template <class F, int TM, int TN>
@@ -136,145 +92,6 @@ inline void tile(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, i
     for (int c = 0; c < TM * TN; ++c) sums[c] = vsum((&acc[0][0])[c]);
   }
   store_sums<F, TM, TN>(f, sums, xm, ldx, m0, n0, K, kv, o);
-}
-
-// One row of x (the decode GEMV): TN channels one after another, each read start to end with U
-// accumulators along K, so the weights stream in address order. The 1 x 8 tile, which reads 8
-// channels side by side, ran the LM head's GEMV at 0.55-0.75x this order's rate on a Zen 4 (the
-// prefetchers follow one stream, not eight 1 KiB rows interleaved), and at M = 1 it was slower
-// than the 4 x 4 tile at M = 4.
-constexpr int GEMV_U = 4;
-constexpr std::ptrdiff_t GEMV_PF_BYTES = 2048;     // software prefetch distance along the stream
-
-// the lines of channel n's weights at k .. k_end, GEMV_PF_BYTES ahead along the stream
-template <class F>
-inline void prefetch_stream(const F& f, int64_t n, int64_t k, int64_t k_end) {
-  const char* p = static_cast<const char*>(f.at(n, k));
-  const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k_end)) - p;
-  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + GEMV_PF_BYTES + b);
-}
-
-// acc + w(n, k ..) . x(k ..): one STEP of channel n
-template <class F>
-inline VF gemv_step(const F& f, const typename F::XT* x, int64_t n, int64_t k, VF acc) {
-  typename F::WV w[F::NV];
-  f.load(n, k, w);
-  for (int v = 0; v < F::NV; ++v) acc = F::fma(acc, w[v], F::loadx(x + k + v * F::XLANES));
-  return acc;
-}
-
-template <class F>
-inline VF gemv_channel(const F& f, const typename F::XT* x, int64_t n, int64_t kv) {
-  constexpr int64_t S = F::STEP;
-  VF a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-  int64_t k = 0;
-  for (; k + GEMV_U * S <= kv; k += GEMV_U * S) {
-    prefetch_stream(f, n, k, k + GEMV_U * S);
-    a0 = gemv_step(f, x, n, k, a0);
-    a1 = gemv_step(f, x, n, k + S, a1);
-    a2 = gemv_step(f, x, n, k + 2 * S, a2);
-    a3 = gemv_step(f, x, n, k + 3 * S, a3);
-  }
-  for (; k < kv; k += S) a0 = gemv_step(f, x, n, k, a0);
-  return vadd(vadd(a0, a1), vadd(a2, a3));
-}
-
-template <class F, int TN>
-inline void gemv_block(const F& f, const typename F::XT* x, int64_t n0, int64_t K, int64_t kv, const Out& o) {
-  static_assert(GEMV_U == 4, "gemv_channel sums four accumulators");
-  VF acc[TN];
-  for (int j = 0; j < TN; ++j) acc[j] = gemv_channel(f, x, n0 + j, kv);
-  float sums[TN];
-  if constexpr (TN == 8) vsum_8(acc, sums);
-  else for (int j = 0; j < TN; ++j) sums[j] = vsum(acc[j]);
-  store_sums<F, 1, TN>(f, sums, x, 0, 0, n0, K, kv, o);
-}
-
-template <class F>
-void gemv(const F& f, const typename F::XT* x, int64_t N, int64_t K, const Out& o) {
-  const int64_t kv = f.vector_k(K);
-  for_channel_blocks<8>(N, K, [&](int64_t n0, auto tn) { gemv_block<F, decltype(tn)::value>(f, x, n0, K, kv, o); });
-}
-
-// Two rows over a large weight (the LM head at decode of two requests or a k = 1 verify): the
-// GEMV's address order with each weight vector feeding both rows. The MB x NB tile reads NB
-// channels side by side; A/B on a Zen 4 (bf16): LM head 248320 x 512 9.2 -> 5.1 ms (the GEMV at
-// one row: 4.0), 49152 x 576 1.72 -> 1.24 ms; on layer-sized weights (3 MB and less) no
-// difference, and at 3-4 rows this order lost to the tiles (LM head 4 rows 10.4 vs 7.5 ms).
-// Only for bf16 x on bf16 weights (VDPBF16PS) and short rows: A/B on a Zen 4 at two rows, gemv_rows
-// vs tiles, us: bf16 x 49152 x 576 1564 vs 1768, 248320 x 512 7996 vs 9700, but 8192 x 2048 762 vs
-// 442 and 2048 x 8192 978 vs 542; fp32 x lost on every shape (49152 x 576 1983 vs 1035), and int8
-// weights too (49152 x 576 1311 vs 1081, 248320 x 512 5237 vs 4028). The avx2 build (on the same
-// Zen 4): bf16 weights lost 25-44% to the tiles; int8 weights won by 5-11% at K <= 576 (AVX2's
-// 4 x 2 tile), lost 12% at K = 8192
-constexpr int64_t GEMV_ROWS_MIN_WEIGHTS = int64_t(8) << 20;    // elements
-constexpr int64_t GEMV_ROWS_MAX_K = 1024;
-
-template <class F, class = void>
-struct two_row_gemv : std::false_type {};           // formats opt in with TWO_ROW_GEMV
-template <class F>
-struct two_row_gemv<F, std::void_t<decltype(F::TWO_ROW_GEMV)>> : std::bool_constant<F::TWO_ROW_GEMV> {};
-
-// Where the address order pays more widely, Python sets these at load (gemm.GEMV_ROWS_WIDE: on a
-// Zen 5, 2 to 4 rows over every short-row weight; the tiles streamed a decode step's weights at
-// 29-31 GB/s there, this order at 39-42, one row's GEMV at 44)
-struct GemvRows {
-  int64_t max_m = 2, min_weights = GEMV_ROWS_MIN_WEIGHTS, max_k = GEMV_ROWS_MAX_K;
-};
-inline GemvRows& gemv_rows_setting() {
-  static GemvRows s;
-  return s;
-}
-
-template <class F>
-inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
-  const GemvRows& s = gemv_rows_setting();
-  return two_row_gemv<F>::value && M >= 2 && M <= s.max_m && K <= s.max_k && N * K >= s.min_weights;
-}
-
-template <class F, int TM>
-inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, int64_t n, int64_t kv, VF* acc) {
-  constexpr int64_t S = F::STEP;
-  VF a[TM][2];
-  for (int i = 0; i < TM; ++i) a[i][0] = a[i][1] = vzero();
-  int64_t k = 0;
-  for (; k + 2 * S <= kv; k += 2 * S) {
-    prefetch_stream(f, n, k, k + 2 * S);
-    typename F::WV w0[F::NV], w1[F::NV];
-    f.load(n, k, w0);
-    f.load(n, k + S, w1);
-    for (int v = 0; v < F::NV; ++v)
-      for (int i = 0; i < TM; ++i) {
-        a[i][0] = F::fma(a[i][0], w0[v], F::loadx(x + i * ldx + k + v * F::XLANES));
-        a[i][1] = F::fma(a[i][1], w1[v], F::loadx(x + i * ldx + k + S + v * F::XLANES));
-      }
-  }
-  for (; k < kv; k += S) {
-    typename F::WV w0[F::NV];
-    f.load(n, k, w0);
-    for (int v = 0; v < F::NV; ++v)
-      for (int i = 0; i < TM; ++i) a[i][0] = F::fma(a[i][0], w0[v], F::loadx(x + i * ldx + k + v * F::XLANES));
-  }
-  for (int i = 0; i < TM; ++i) acc[i] = vadd(a[i][0], a[i][1]);
-}
-
-template <class F, int TM, int TN>
-inline void gemv_rows_block(const F& f, const typename F::XT* x, int64_t ldx, int64_t n0, int64_t K, int64_t kv,
-                            const Out& o) {
-  VF acc[TN][TM];
-  for (int j = 0; j < TN; ++j) gemv_rows_channel<F, TM>(f, x, ldx, n0 + j, kv, acc[j]);
-  float sums[TM * TN];
-  for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) sums[i * TN + j] = vsum(acc[j][i]);
-  store_sums<F, TM, TN>(f, sums, x, ldx, 0, n0, K, kv, o);
-}
-
-template <class F, int TM>
-void gemv_rows(const F& f, const typename F::XT* x, int64_t ldx, int64_t N, int64_t K, const Out& o) {
-  const int64_t kv = f.vector_k(K);
-  for_channel_blocks<8>(N, K, [&](int64_t n0, auto tn) {
-    gemv_rows_block<F, TM, decltype(tn)::value>(f, x, ldx, n0, K, kv, o);
-  });
 }
 
 // a tile of mb <= TM rows (the M tail picks the largest instance that fits)
