@@ -115,17 +115,18 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
 @pytest.mark.parametrize("wide", [False, True], ids=["default", "gemv_rows_wide"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 def test_bf16_outputs_are_the_fp32_sums_rounded_to_nearest_even(mod, x_dtype, wide):
-    """The decode paths store whole blocks of 8 channels 8 at a time (store_sums8): a bf16 output
-    is exactly the same path's fp32 output rounded as torch rounds it (nearest even; truncating
-    differs in about half the entries), the bias added before rounding, a NaN kept a NaN; 1 to 4
-    rows, 5 whole blocks and a partial one, with gemv_rows as Zen 5 sets it and as elsewhere."""
+    """The decode paths store whole blocks of channels 4 at a time (store_sums4): a bf16 output is
+    exactly the same path's fp32 output rounded as torch rounds it (nearest even; truncating
+    differs in about half the entries), the bias added before rounding, a NaN kept a NaN; 1 to 8
+    rows (the GEMVs and the tiles), whole blocks and a partial one, with gemv_rows as Zen 5 sets
+    it and as elsewhere."""
     kept = mod.gemv_rows()
     try:
         if wide:
             mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
         N, K = 8 * 5 + 3, 512
         w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
-        for M in (1, 2, 3, 4):
+        for M in range(1, 9):
             x = torch.randn(M, K).to(x_dtype)
             y32, y16 = mod.linear_bf16(x, w, b, True, False), mod.linear_bf16(x, w, b, False, False)
             assert torch.equal(y16, y32.bfloat16()), f"M={M}"

@@ -30,17 +30,17 @@ struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 b
   float* yf; uint16_t* yb; int64_t ldy; const float* bias;
 };
 
-// store_sums without a K tail, 8 channels at a time (store8): the scalar loop below cost a quarter
+// store_sums without a K tail, 4 channels at a time (store4): the scalar loop below cost a quarter
 // of a decode GEMV at 2-4 rows (LM head-shaped weight, K = 512, in cache: 4 rows 43.5 -> 35.8 us)
 template <class F, int TM, int TN>
-inline void store_sums8(const F& f, const float* sums, int64_t m0, int64_t n0, const Out& o) {
-  for (int j0 = 0; j0 < TN; j0 += 8) {
-    float sc[8];
-    for (int j = 0; j < 8; ++j) sc[j] = f.row_scale(n0 + j0 + j);
+inline void store_sums4(const F& f, const float* sums, int64_t m0, int64_t n0, const Out& o) {
+  for (int j0 = 0; j0 < TN; j0 += 4) {
+    float sc[4];
+    for (int j = 0; j < 4; ++j) sc[j] = f.row_scale(n0 + j0 + j);
     const float* bias = o.bias ? o.bias + n0 + j0 : nullptr;
     for (int i = 0; i < TM; ++i) {
       const int64_t at = (m0 + i) * o.ldy + n0 + j0;
-      store8(sums + i * TN + j0, sc, bias, o.yf ? o.yf + at : nullptr, o.yb ? o.yb + at : nullptr);
+      store4(sums + i * TN + j0, sc, bias, o.yf ? o.yf + at : nullptr, o.yb ? o.yb + at : nullptr);
     }
   }
 }
@@ -49,8 +49,8 @@ inline void store_sums8(const F& f, const float* sums, int64_t m0, int64_t n0, c
 template <class F, int TM, int TN>
 inline void store_sums(const F& f, const float* sums, const typename F::XT* xm, int64_t ldx, int64_t m0,
                        int64_t n0, int64_t K, int64_t kv, const Out& o) {
-  if constexpr (TN % 8 == 0) {
-    if (kv == K) return store_sums8<F, TM, TN>(f, sums, m0, n0, o);
+  if constexpr (TN % 4 == 0) {
+    if (kv == K) return store_sums4<F, TM, TN>(f, sums, m0, n0, o);
   }
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) {

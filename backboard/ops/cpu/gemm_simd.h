@@ -160,29 +160,28 @@ inline void vload_u4(const uint8_t* p, VF& lo, VF& hi) {
 }
 #endif
 
-// 8 outputs s * scale (+ bias, when not null) stored as fp32 (yf) or as bf16 (yb), rounded as
+// 4 outputs s * scale (+ bias, when not null) stored as fp32 (yf) or as bf16 (yb), rounded as
 // f32_to_bf16 rounds them (to nearest even, a NaN stays a NaN)
 #if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
-inline __m128i bf16x8(__m256 r) {
-  const __m256i u = _mm256_castps_si256(r);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i h = _mm256_blendv_epi8(_mm256_srli_epi32(up, 16), quiet, nan);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+inline __m128i bf16x4(__m128 r) {            // in the low 64 bits
+  const __m128i u = _mm_castps_si128(r);
+  const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  const __m128i up = _mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff)));
+  const __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+  const __m128i h = _mm_blendv_epi8(_mm_srli_epi32(up, 16), quiet, nan);
+  return _mm_packus_epi32(h, h);
 }
 
-inline void store8(const float* s, const float* scale, const float* bias, float* yf, uint16_t* yb) {
-  __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(scale));
-  if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias));
-  if (yf) _mm256_storeu_ps(yf, r);
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(yb), bf16x8(r));
+inline void store4(const float* s, const float* scale, const float* bias, float* yf, uint16_t* yb) {
+  __m128 r = _mm_mul_ps(_mm_loadu_ps(s), _mm_loadu_ps(scale));
+  if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias));
+  if (yf) _mm_storeu_ps(yf, r);
+  else _mm_storel_epi64(reinterpret_cast<__m128i*>(yb), bf16x4(r));
 }
 #else
-inline void store8(const float* s, const float* scale, const float* bias, float* yf, uint16_t* yb) {
-  for (int j = 0; j < 8; ++j) {
+inline void store4(const float* s, const float* scale, const float* bias, float* yf, uint16_t* yb) {
+  for (int j = 0; j < 4; ++j) {
     const float r = s[j] * scale[j] + (bias ? bias[j] : 0.f);
     if (yf) yf[j] = r;
     else yb[j] = f32_to_bf16(r);
