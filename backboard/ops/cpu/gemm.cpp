@@ -13,7 +13,7 @@
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
 //          reads its channels one after another instead (gemv in gemm_gemv.h: a single stream),
 //          and so do two bf16 rows over a bf16 weight of 8M+ elements in short rows (gemv_rows).
-//   lanes  bf16 x with 16+ rows (12+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
+//   lanes  bf16 x with 16+ rows (14+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
 //          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
 //          at 32-64 rows)
 //   amx    bf16 x with 4+ rows on amx_bf16 builds where the CPU has AMX-BF16 (gemm_amx.h): the
@@ -212,14 +212,15 @@ at::Tensor run(const F& f, const at::Tensor& x, const at::Tensor& xrows, int64_t
 }
 
 #if defined(BB_ISA_AVX512_BF16)
-// bf16 x takes the lanes path (gemm_lanes.h) from 16 rows on (a full vector of rows), from 12
-// with many channels (padded to 16 rows, it still beat the rows path's three 4 x 4 tiles: LM head
-// 248320 x 512 at 12 rows 12.6 vs 17.8 ms, 4096 x 512 0.224 vs 0.258 ms; at 6-8 rows and for
-// 512-channel layers the rows path stays ahead), except for long rows at few rows: from K = 2048
-// the rows path's reductions are amortised and it was ahead up to 32 rows (down_proj 512 x 2048
-// on a Zen 4: 375-400 GFLOP/s vs 280-375)
+// bf16 x takes the lanes path (gemm_lanes.h) from 16 rows on (a full vector of rows), from 14
+// with many channels (padded to 16 rows, it beat the rows path's 4 x 4 tiles from 12 rows when
+// those stored one float at a time: LM head 248320 x 512 at 12 rows 12.6 vs 17.8 ms on a Zen 4;
+// with store4, 4096 x 512 on a Zen 5: 12 rows 84.0 vs 72.5 us, 14 87.1 vs 87.1, 15 87.2 vs 91.5;
+// at 6-8 rows and for 512-channel layers the rows path stays ahead), except for long rows at few
+// rows: from K = 2048 the rows path's reductions are amortised and it was ahead up to 32 rows
+// (down_proj 512 x 2048 on a Zen 4: 375-400 GFLOP/s vs 280-375)
 inline bool lanes_pays(int64_t M, int64_t N, int64_t K) {
-  return (M >= 16 || (M >= 12 && N >= 2048)) && (K < 2048 || M >= 48);
+  return (M >= 16 || (M >= 14 && N >= 2048)) && (K < 2048 || M >= 48);
 }
 
 void lanes_path(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw, int64_t N,

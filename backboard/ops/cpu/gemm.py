@@ -69,7 +69,7 @@ def _loaded(isa: str):
 # head-sized weights: on a Zen 4 the tiles won at 3-4 rows over an LM head (10.4 vs 7.5 ms) and
 # at K 2048+ (8192 x 2048, 2 rows: 762 vs 442 us).
 GEMV_ROWS_WIDE = (4, 0, 2048)
-# gemm_lanes.h's tiles at one row vector (12-16 rows) with 12 channels instead of 6 on Zen 5, whose
+# gemm_lanes.h's tiles at one row vector (14-16 rows) with 12 channels instead of 6 on Zen 5, whose
 # two VDPBF16PS a cycle need 12 accumulator chains (figures in gemm_lanes.h: 16 rows over a 248320
 # x 512 LM head 7.6 -> 5.6 ms on 2 cores).
 LANES_CHANNELS_WIDE = 12
