@@ -19,12 +19,12 @@ namespace {
 constexpr int GEMV_U = 4;
 constexpr std::ptrdiff_t GEMV_PF_BYTES = 2048;     // software prefetch distance along the stream
 
-// the lines of channel n's weights at k .. k_end, GEMV_PF_BYTES ahead along the stream
+// the lines of channel n's weights at k .. k_end, `ahead` bytes ahead along the stream
 template <class F>
-inline void prefetch_stream(const F& f, int64_t n, int64_t k, int64_t k_end) {
+inline void prefetch_stream(const F& f, int64_t n, int64_t k, int64_t k_end, std::ptrdiff_t ahead = GEMV_PF_BYTES) {
   const char* p = static_cast<const char*>(f.at(n, k));
   const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k_end)) - p;
-  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + GEMV_PF_BYTES + b);
+  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + ahead + b);
 }
 
 // acc + w(n, k ..) . x(k ..): one STEP of channel n
@@ -85,6 +85,12 @@ constexpr int64_t GEMV_ROWS_MAX_K = 1024;
 // steps of K in flight per row: 4 rows x 4 accumulators + 4 weight vectors fit the 32 registers (2
 // steps: 4 rows over a 4096 x 512 weight in cache at 181 G MAC/s on 2 Zen 5 cores, 4 steps: 196)
 constexpr int GEMV_ROWS_U = 4;
+// gemv_rows prefetches further ahead than the one-row GEMV: with 2-4 rows of arithmetic per weight
+// byte, 2 KiB ahead left the LM head's 4-row GEMV short of the memory rate (248320 x 512 on 2 Zen 5
+// cores reading ~81 GB/s, ms at 2 / 4 / 8 / 16 KiB: 2 rows 4.27 / 3.97 / 3.96 / 4.09, 3 rows
+// 3.86 / 3.60 / 3.33 / 3.55, 4 rows 3.77 / 3.40 / 3.03 / 3.03; one row at 2 KiB: 3.35; at ~53 GB/s
+// the 4-row GEMV took 4.9 ms at 2 and 8 KiB alike)
+constexpr std::ptrdiff_t GEMV_ROWS_PF_BYTES = 8192;
 
 template <class F, class = void>
 struct two_row_gemv : std::false_type {};           // formats opt in with TWO_ROW_GEMV
@@ -117,7 +123,7 @@ inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, 
     for (int u = 0; u < U; ++u) a[i][u] = vzero();
   int64_t k = 0;
   for (; k + U * S <= kv; k += U * S) {
-    prefetch_stream(f, n, k, k + U * S);
+    prefetch_stream(f, n, k, k + U * S, GEMV_ROWS_PF_BYTES);
     typename F::WV w[U][F::NV];
     for (int u = 0; u < U; ++u) f.load(n, k + u * S, w[u]);
     for (int v = 0; v < F::NV; ++v)
