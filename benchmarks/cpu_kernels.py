@@ -7,7 +7,10 @@ Floors, measured in the same run with the same threads:
   a kernel   max(weight bytes / bandwidth, 2 M N K / rate); prefill rows also against the fp32
              rate alone (the TTFT target)
   a step     max(bytes / bandwidth, FLOPs / rate) where bytes = every weight once + per request
-             the GDN state read and written + the KV read, and FLOPs = 2 x rows x linear weights
+             the GDN state read and written + the KV read, and FLOPs = 2 x rows x linear weights;
+             its bandwidth is probed again just before and just after the step is timed (the mean
+             of the two), since some VMs move between memory rates within minutes (a Zen 5 VM read
+             ~35 or ~90 GB/s); steps whose two probes differ by more than STATE_CHANGE are marked
 
 Sections: each linear shape of the model at 1, 4, 16, 64 rows (+ prefill 256, 512) for ours
 (dispatch.linear: what the layers run), torch bf16 and torch fp32; int8 / int4 (the draft head's
@@ -104,8 +107,18 @@ class Floors:
         return (f"read bandwidth {self.bw / 1e9:.1f} GB/s; matmul fp32 {self.fp32 / 1e9:.0f} GFLOP/s, "
                 f"bf16 {self.bf16 / 1e9:.0f} GFLOP/s (floors use {self.rate / 1e9:.0f})")
 
-    def of(self, nbytes: float, flops: float) -> float:
-        return max(nbytes / self.bw, flops / self.rate)
+    def of(self, nbytes: float, flops: float, bw: float | None = None) -> float:
+        return max(nbytes / (bw or self.bw), flops / self.rate)
+
+
+STATE_CHANGE = 1.25   # probes around a step further apart than this: the memory rate moved while it ran
+
+
+def timed_with_bandwidth(fn) -> tuple[float, float, float]:
+    """(fn's best time, the read bandwidth probed just before it, just after it)."""
+    before = read_bandwidth()
+    t = timed(fn, reps=5)
+    return t, before, read_bandwidth()
 
 
 # ---- kernels -----------------------------------------------------------------------------------
@@ -195,16 +208,17 @@ def bench_steps(fl: Floors, path: str, dtype: str, rows: list[int], ctx: int) ->
     for R in rows:
         # re-running position ctx overwrites its KV entry: each call is a genuine decode step
         step = [BatchRequest(np.array([7]), ctx, ours.blocks[i], i) for i in range(R)]
-        t = timed(lambda: ours.run(step), reps=5)
+        t, bw0, bw1 = timed_with_bandwidth(lambda: ours.run(step))
         with dispatch.override("torch"):
             t_ref = timed(lambda: ours.run(step), reps=2)
         nbytes, flops = step_bytes_flops(ours, R, ctx)
-        floor = fl.of(nbytes, flops)
+        floor = fl.of(nbytes, flops, (bw0 + bw1) / 2)
         out[R] = t
+        moved = "  MEMORY RATE MOVED" if max(bw0, bw1) > STATE_CHANGE * min(bw0, bw1) else ""
         print(f"  [{dtype}] decode step, {R:>2} requests (ctx {ctx}): {t * 1e3:8.2f} ms  floor "
-              f"{floor * 1e3:7.2f} ms ({nbytes / 1e6:6.1f} MB, {flops / 1e9:5.1f} GFLOP)  "
-              f"step/floor {t / floor:5.2f}x  {R / t:7.1f} tok/s  (torch references: "
-              f"{t_ref * 1e3:8.2f} ms)", flush=True)
+              f"{floor * 1e3:7.2f} ms ({nbytes / 1e6:6.1f} MB, {flops / 1e9:5.1f} GFLOP; read "
+              f"{bw0 / 1e9:.0f} / {bw1 / 1e9:.0f} GB/s before / after)  step/floor {t / floor:5.2f}x  "
+              f"{R / t:7.1f} tok/s  (torch references: {t_ref * 1e3:8.2f} ms){moved}", flush=True)
     return out
 
 
