@@ -2,6 +2,7 @@
 // (gemv) and 2-4 rows (gemv_rows), each channel start to end before the next.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
