@@ -31,8 +31,8 @@ struct Out {                         // y [M, N] (fp32 or bf16), optional fp32 b
   float* yf; uint16_t* yb; int64_t ldy; const float* bias;
 };
 
-// store_sums without a K tail, 4 channels at a time (store4): the scalar loop below cost a quarter
-// of a decode GEMV at 2-4 rows (LM head-shaped weight, K = 512, in cache: 4 rows 43.5 -> 35.8 us)
+// store_sums without a K tail, 4 channels at a time (store4): the scalar loop below cost a fifth of
+// a decode GEMV at 4 rows (a 4096 x 512 bf16 weight in cache: 43.5 us, 34.8 with the stores left out)
 template <class F, int TM, int TN>
 inline void store_sums4(const F& f, const float* sums, int64_t m0, int64_t n0, const Out& o) {
   for (int j0 = 0; j0 < TN; j0 += 4) {
