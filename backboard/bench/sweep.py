@@ -54,7 +54,7 @@ import httpx
 from backboard.bench.client import get_backend
 from backboard.bench.probe import read_gbps
 from backboard.bench.serve import BenchError, ServeConfig, check_base_url, run_serve, write_json
-from backboard.ops.cpu.build import cpu_flags, cpu_model
+from backboard.ops.cpu.build import cpu_flags, cpu_model, meminfo_bytes
 
 
 class SweepError(RuntimeError):
@@ -260,14 +260,8 @@ def _cpu_isa() -> list[str]:
 
 
 def _memory_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+    total = meminfo_bytes("MemTotal")
+    return None if total is None else round(total / 2**30, 1)
 
 
 def _gpus() -> list[str]:

@@ -48,7 +48,7 @@ from backboard.ops.attention import paged_attention_decode_ref, paged_attention_
 from backboard.ops.cache_copy import copy_slices_ref
 from backboard.ops.cpu import decode_ops as cpu_ops
 from backboard.ops.cpu import gemm as cpu_gemm
-from backboard.ops.cpu.build import kernels_enabled
+from backboard.ops.cpu.build import kernels_enabled, meminfo_bytes
 from backboard.ops.gdn.decode import gdn_decode_ref
 from backboard.ops.gdn.prefill import gdn_prefill_ref
 from backboard.ops.norm import fused_add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
@@ -269,15 +269,8 @@ def warm_cpu_gemm(device: torch.device, weights: list[torch.Tensor], max_rows: i
 
 
 def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """MemAvailable in bytes (None where it cannot be read)."""
+    return meminfo_bytes("MemAvailable")
 
 
 def int8_lm_head_rows_max(device: torch.device) -> int | None:

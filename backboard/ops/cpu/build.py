@@ -75,6 +75,18 @@ def cpu_model() -> str:
     return name or platform.processor() or platform.machine()
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field ("MemTotal", "MemAvailable", ...) in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_family() -> tuple[str, int]:
     """(vendor, family) from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for Zen 5; ("", -1) unknown."""
