@@ -7,7 +7,8 @@
 // A task takes all r * L query rows that share a KV head (r = nh / nkv), so every K/V row is read
 // (and widened to fp32) once per KV head; with enough requests a task is a whole request (its KV
 // heads walk the blocks together), else one per (request, KV head, context split); an online
-// softmax (running max, sum, fp32 accumulator per row) runs over chunks of CHUNK tokens. The
+// softmax (running max, sum, fp32 accumulator per row) runs over chunks of kAttnChunk tokens
+// (gathered through the block table, so a chunk may span blocks). The
 // context is split (flash-decoding) only when B * nkv tasks would leave threads idle; the split
 // partials are then merged in a second pass.
 #pragma once
@@ -140,10 +141,32 @@ void load_head_rows(const AttnArgs<T>& a, int64_t b, int64_t kvh, const HeadRows
   }
 }
 
-// one KV head's rows over the n keys at kb / vb (rows sk_tok / sv_tok apart) starting at p0
+// the cache rows of a chunk's n positions (KV head 0; head h is h * sk_head / sv_head further)
 template <typename T>
-void head_chunk(const AttnArgs<T>& a, int64_t b, const HeadRows<T>& h, const T* kb, const T* vb, int64_t p0,
-                int64_t n, float* vf) {
+struct ChunkRows {
+  const T* k[kAttnChunk];
+  const T* v[kAttnChunk];
+};
+
+// the rows of request b's positions p0 .. p0 + n through its block table (a chunk may span blocks)
+template <typename T>
+void gather_chunk_rows(const AttnArgs<T>& a, int64_t b, int64_t p0, int64_t n, ChunkRows<T>& c) {
+  for (int64_t j = 0; j < n;) {
+    const int64_t p = p0 + j, blk = a.block_table.at(b, p / a.bs), off = p % a.bs;
+    BB_CHECK(blk >= 0 && blk < a.num_blocks, "paged_attention_decode: block_table holds ", blk,
+             ", outside [0, ", a.num_blocks, ")");
+    const int64_t run = std::min(n - j, a.bs - off);
+    for (int64_t t = 0; t < run; ++t, ++j) {
+      c.k[j] = a.k + blk * a.sk_blk + (off + t) * a.sk_tok;
+      c.v[j] = a.v + blk * a.sv_blk + (off + t) * a.sv_tok;
+    }
+  }
+}
+
+// one KV head's rows over the chunk's n keys (rows c, head kvh) starting at position p0
+template <typename T>
+void head_chunk(const AttnArgs<T>& a, int64_t b, const HeadRows<T>& h, const ChunkRows<T>& c, int64_t kvh,
+                int64_t p0, int64_t n, float* vf) {
   const int64_t D = a.D, M = a.r * a.L, seq = a.seq_lens[b];
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
   const bool bf16_pv = bf16_dot && D % 32 == 0;            // PV by bf16 pair dot products too
@@ -151,8 +174,8 @@ void head_chunk(const AttnArgs<T>& a, int64_t b, const HeadRows<T>& h, const T* 
   const T* vraw[kAttnChunk];
   const float* vrows[kAttnChunk];
   for (int64_t j = 0; j < n; ++j) {
-    krows[j] = kb + j * a.sk_tok;
-    vraw[j] = vb + j * a.sv_tok;
+    krows[j] = c.k[j] + kvh * a.sk_head;
+    vraw[j] = c.v[j] + kvh * a.sv_head;
     if constexpr (std::is_same_v<T, float>) {
       vrows[j] = vraw[j];
     } else if (!bf16_pv) {                                 // widen once, use for all M rows
@@ -217,14 +240,11 @@ void attention_task(const AttnArgs<T>& a, int64_t b, int64_t h0, int64_t hn, int
   }
   float* vf = buf.data() + hn * per_head;
   const int64_t start = split * a.tokens_per_split, end = std::min(seq, start + a.tokens_per_split);
+  ChunkRows<T> rows;
   for (int64_t p0 = start; p0 < end;) {
-    const int64_t blk = a.block_table.at(b, p0 / a.bs), off = p0 % a.bs;
-    BB_CHECK(blk >= 0 && blk < a.num_blocks, "paged_attention_decode: block_table holds ", blk,
-             ", outside [0, ", a.num_blocks, ")");
-    const int64_t n = std::min({kAttnChunk, a.bs - off, end - p0});
-    for (int64_t i = 0; i < hn; ++i)
-      head_chunk(a, b, heads[i], a.k + blk * a.sk_blk + off * a.sk_tok + (h0 + i) * a.sk_head,
-                 a.v + blk * a.sv_blk + off * a.sv_tok + (h0 + i) * a.sv_head, p0, n, vf);
+    const int64_t n = std::min(kAttnChunk, end - p0);
+    gather_chunk_rows(a, b, p0, n, rows);
+    for (int64_t i = 0; i < hn; ++i) head_chunk(a, b, heads[i], rows, h0 + i, p0, n, vf);
     p0 += n;
   }
   for (int64_t i = 0; i < hn; ++i) store_head_rows(a, b, h0 + i, split, heads[i]);
