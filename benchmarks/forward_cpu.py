@@ -28,6 +28,7 @@ from backboard.config import ModelConfig  # noqa: E402
 from backboard.forward_context import set_forward_context  # noqa: E402
 from backboard.models.loader import load_model, torch_dtype  # noqa: E402
 from backboard.models.tiny import build_tiny_checkpoint  # noqa: E402
+from backboard.ops import dispatch  # noqa: E402
 from backboard.worker.input_batch import BatchRequest, prepare_batch  # noqa: E402
 from backboard.worker.memory import allocate_caches  # noqa: E402
 
@@ -55,7 +56,7 @@ class Ours:
     @torch.inference_mode()
     def run(self, reqs: list[BatchRequest], logits_rows: int = 1) -> torch.Tensor:
         pb = prepare_batch(reqs, self.bs)
-        with set_forward_context(pb.meta, self.caches):
+        with dispatch.fixed_selection(), set_forward_context(pb.meta, self.caches):
             h = self.model(pb.input_ids, pb.meta.positions)
         return self.model.compute_logits(h[torch.from_numpy(pb.query_start_loc[1:] - 1)])
 
