@@ -26,6 +26,7 @@ def make_inputs(B, L, nh, nkv, D, bs, seq_lens, dtype, num_blocks=None):
 CASES = {
     # B, L, nh, nkv, D, bs, seq_lens
     "decode-r2": (3, 1, 4, 2, 16, 4, [5, 37, 1]),
+    "decode-r3-d64": (2, 1, 6, 2, 64, 16, [70, 200]),          # 3 rows a KV head (SmolLM2's ratio)
     "verify3-r3-d24": (2, 3, 6, 2, 24, 8, [3, 29]),
     "verify4-r1-d72": (2, 4, 2, 2, 72, 16, [20, 33]),
     "verify2-mqa-d256": (2, 2, 4, 1, 256, 4, [6, 9]),
