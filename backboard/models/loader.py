@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from backboard.models.registry import model_class
+from backboard.models.weight_arena import pack_weights
 from backboard.models.weights import TensorSlice, WeightSpec
 
 
@@ -160,5 +161,7 @@ def load_model(cfg, device: str = "cpu") -> nn.Module:
         model = cls(cfg, dtype)
     load_weights(model, ckpt, model.weight_specs(), model.checkpoint_name,
                  model.ignored_checkpoint_keys())
+    if torch.device(device).type == "cpu":
+        pack_weights(model)                 # one buffer in forward order (models/weight_arena.py)
     model.eval()
     return model

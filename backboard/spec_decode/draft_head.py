@@ -34,6 +34,7 @@ from backboard.distributed.parallel_state import all_gather_last, replicated, tp
 from backboard.distributed.shard import VocabShard, pad_rows
 from backboard.layers.linear import Int4Linear, Int8Linear, Linear
 from backboard.models.mtp import MTPHead
+from backboard.models.weight_arena import pack_weights
 from backboard.ops import dispatch
 from backboard.spec_decode.draft_vocab import DraftLMHead
 
@@ -209,6 +210,8 @@ def load_draft_head(path: str, mc: ModelConfig, dtype: torch.dtype, lm_head_weig
     head, lm_sd = read_draft_head(path, mc, dtype, attn_idx, device)
     if dtype == torch.bfloat16 and dispatch.int4_widened_pays(torch.device(device)):
         widen_head(head, dtype)
+    if torch.device(device).type == "cpu":
+        pack_weights(head)                  # one buffer in forward order, as the target's
     if not int8_lm_head:
         return head, DraftLMHead(compute_logits)
     rows_max = dispatch.int8_lm_head_rows_max(torch.device(device)) if dtype == torch.bfloat16 else None

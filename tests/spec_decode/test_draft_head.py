@@ -103,6 +103,7 @@ def test_int4_layers_widened_where_bf16_pays(trained_draft_head, soft_model, mon
 
     from backboard.config import ModelConfig
     from backboard.layers.linear import Int4Linear, Linear
+    from backboard.models.weight_arena import arena_of
     from backboard.ops import dispatch
     from backboard.ops.quant import dequantize_int4
     from backboard.spec_decode.draft_head import load_draft_head
@@ -113,6 +114,8 @@ def test_int4_layers_widened_where_bf16_pays(trained_draft_head, soft_model, mon
     int4_head, _ = load_draft_head(trained_draft_head[0], mc, torch.bfloat16, w, None, 0, "cpu")
     monkeypatch.setattr(dispatch, "int4_widened_pays", lambda device: widen)
     head, _ = load_draft_head(trained_draft_head[0], mc, torch.bfloat16, w, None, 0, "cpu")
+    for h in (int4_head, head):              # its weights packed in one buffer (models/weight_arena.py)
+        assert len({arena_of(t) for t in [*h.parameters(), *h.buffers()]}) == 1
     pairs = [(n, m, int4_head.get_submodule(n)) for n, m in head.named_modules() if isinstance(m, (Linear, Int4Linear))]
     assert pairs and all(isinstance(m, Linear if widen else Int4Linear) for _, m, _ in pairs)
     for _, m, q in pairs:
