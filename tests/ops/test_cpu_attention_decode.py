@@ -48,11 +48,14 @@ def test_paged_attention_matches_reference(case, dtype, isa, close):
 
 
 @isa_param
-@pytest.mark.parametrize("threads", [3, 8])
-def test_split_context_matches_reference(isa, threads, close):
-    """More threads than (request, kv head) tasks: the context is split and merged."""
+@pytest.mark.parametrize("threads,nkv,dtype", [(3, 1, torch.float32), (8, 1, torch.float32),
+                                              (2, 3, torch.bfloat16), (2, 3, torch.float32)])
+def test_split_context_matches_reference(isa, threads, nkv, dtype, close):
+    """More threads than (request, kv head) tasks, or tasks that do not divide evenly over the
+    threads (3 KV heads on 2: each task then takes every head over its part of the context): the
+    context is split and merged."""
     built(isa)
-    q, kc, vc, bt, seq, max_len = make_inputs(1, 2, 4, 1, 40, 16, [1300], torch.float32)
+    q, kc, vc, bt, seq, max_len = make_inputs(1, 2, 3 * nkv, nkv, 40, 16, [1300], dtype)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
