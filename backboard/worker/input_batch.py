@@ -122,7 +122,7 @@ def prepare_batch(reqs: list[BatchRequest], block_size: int, device: torch.devic
         block_table[i, :len(r.block_ids)] = r.block_ids
     ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
     spec = [np.asarray(r.spec_dst_slots, dtype=np.int64) if r.spec_dst_slots is not None else None
-            for r in reqs]
+            for r in reqs] if is_spec.any() else None       # None: no verify rows, as the runner passes
     st = build_step(ids, q_lens[order], num_computed, block_table,
                     np.array([r.state_slot for r in reqs], dtype=np.int64), spec, block_size, device)
     return PreparedBatch(st.input_ids, st.meta, order, st.query_start_loc)
