@@ -25,7 +25,7 @@ template <class F>
 inline void prefetch_stream(const F& f, int64_t n, int64_t k, int64_t k_end, std::ptrdiff_t ahead = GEMV_PF_BYTES) {
   const char* p = static_cast<const char*>(f.at(n, k));
   const std::ptrdiff_t span = static_cast<const char*>(f.at(n, k_end)) - p;
-  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch(p + ahead + b);
+  for (std::ptrdiff_t b = 0; b < span; b += 64) prefetch_once(p + ahead + b);
 }
 
 // acc + w(n, k ..) . x(k ..): one STEP of channel n
