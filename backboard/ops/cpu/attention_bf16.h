@@ -43,15 +43,7 @@ inline void chunk_scores_bf16(const bf16* q, int64_t M, int64_t D, const bf16* c
                               float scale, float* s) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) group_scores_bf16<4>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-  // the last 1-3 rows as one group, each key loaded once for them (a row at a time loaded it up
-  // to 3 times: one request's decode over 1024 tokens, 2 Zen 5 cores, cache warm, 4 / 2 heads of
-  // 256 (2 rows) 31.9 -> 24.9 us, 9 / 3 of 64 (3 rows) 30.9 -> 26.5 us)
-  switch (M - m) {
-    case 3: return group_scores_bf16<3>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-    case 2: return group_scores_bf16<2>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-    case 1: return group_scores_bf16<1>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
-    default: return;
-  }
+  for (; m < M; ++m) group_scores_bf16<1>(q + m * D, D, krows, n, scale, s + m * kAttnChunk);
 }
 
 // acc rows [G, D] = acc * alpha + P V over the chunk's n keys, 32 columns per pair of zmm
