@@ -56,9 +56,12 @@ class Ours:
     @torch.inference_mode()
     def run(self, reqs: list[BatchRequest], logits_rows: int = 1) -> torch.Tensor:
         pb = prepare_batch(reqs, self.bs)
-        with dispatch.fixed_selection(), set_forward_context(pb.meta, self.caches):
-            h = self.model(pb.input_ids, pb.meta.positions)
-        return self.model.compute_logits(h[torch.from_numpy(pb.query_start_loc[1:] - 1)])
+        with dispatch.fixed_selection():        # the whole step, logits too, as the model runner
+            with set_forward_context(pb.meta, self.caches):
+                h = self.model(pb.input_ids, pb.meta.positions)
+            last = pb.query_start_loc[1:] - 1
+            # a decode step needs every row: no gather (as the model runner's _logits)
+            return self.model.compute_logits(h if len(last) == h.shape[0] else h[torch.from_numpy(last)])
 
 
 def main() -> None:
