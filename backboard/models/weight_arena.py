@@ -10,7 +10,8 @@ backboard/__init__.py), in registration order, which is the forward's order for 
 embedding, i.e. the tied LM head that ends a step, then the layers in order), the stream runs on
 from one weight into the next. One request's decode GEMV over weights read from memory, 2 Zen 5
 cores, separate vs packed: 512 x 512 13.6 -> 12.2 us, 960 x 576 25.3 -> 21.7, 1544 x 512 34.6 ->
-29.7, 576 x 1536 35.4 -> 29.4, 4096 x 512 106.6 -> 93.6 (/work/w5/thp.py)."""
+29.7, 576 x 1536 35.4 -> 29.4, 4096 x 512 106.6 -> 93.6; whole decode steps at one request 2-7%
+faster (the CPU benchmark checkpoint, SmolLM2), at 4 and 16 the same."""
 
 from __future__ import annotations
 

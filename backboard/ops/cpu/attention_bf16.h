@@ -14,7 +14,8 @@ inline namespace BB_ISA_NAMESPACE {
 // place of one 16-token block, bf16, 2 Zen 5 cores: one request's decode over 9 heads / 3 KV heads
 // of 64 (SmolLM2), cache warm, 34.2 -> 31.7 us at 1024 tokens, 289 -> 264 at 8192; 32 / 8 of 128
 // at 8192 tokens 3.5-4.3 -> 3.1-3.2 ms; 4 / 2 of 256 the same within noise. SmolLM2's whole decode
-// step, one request: 10.99 -> 10.77 ms at 256 tokens, 13.19 -> 12.45 at 1024
+// step: one request 10.99 -> 10.77 ms at 256 tokens, 13.19 -> 12.45 at 1024; 4 / 16 requests at
+// 300 tokens 12.03 -> 11.81 / 21.30 -> 20.63
 constexpr int64_t kAttnChunk = 64;
 
 #if defined(BB_ISA_AVX512_BF16)

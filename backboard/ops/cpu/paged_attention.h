@@ -6,13 +6,12 @@
 // block_size, nkv, D]; position p of request b lives at block_table[b, p // bs], offset p % bs.
 // A task takes all r * L query rows that share a KV head (r = nh / nkv), so every K/V row is read
 // (and widened to fp32) once per KV head; with enough requests a task is a whole request (its KV
-// heads walk the blocks together), else one per (request, KV head, context split), or per
-// (request, context split) with all its KV heads where the per-head tasks would not divide evenly
-// over the threads; an online
-// softmax (running max, sum, fp32 accumulator per row) runs over chunks of kAttnChunk tokens
-// (gathered through the block table, so a chunk may span blocks). The
-// context is split (flash-decoding) only when B * nkv tasks would leave threads idle; the split
-// partials are then merged in a second pass.
+// heads walk the blocks together), else one per (request, KV head, context split), or one per
+// (request, context split) with all its KV heads where per-head tasks would not divide evenly over
+// the threads. An online softmax (running max, sum, fp32 accumulator per row) runs over chunks of
+// kAttnChunk tokens, gathered through the block table (a chunk may span blocks). The context is
+// split (flash-decoding) only when the tasks would leave threads idle; the split partials are then
+// merged in a second pass.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -311,7 +310,7 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
     longest = std::max(longest, s);
   }
   (void)max_seq_len;                        // the kernel bounds each request by its own length
-  // split the context only when the (request, kv head) tasks leave threads idle
+  // split the context only when the tasks would leave threads idle
   int64_t splits = 1;
   const int64_t threads = at::get_num_threads(), work = B * nkv;
   bool whole = B >= threads;                // a task takes all of a request's KV heads
@@ -337,7 +336,8 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                   ptr<T>(out), pb, pb ? pb + P * D : nullptr, pb ? pb + P * D + P : nullptr};
     // a task per request and split takes all its KV heads (whole blocks read in address order:
     // 5-14% faster than a task per head at 16-64 requests x 1024 context, same result) when the
-    // requests alone keep every thread busy; else a task per (request, KV head, split)
+    // requests alone keep every thread busy, or the per-head tasks would not divide evenly over
+    // the threads (kMinWholeSplitTokens); else a task per (request, KV head, split)
     const int64_t hn = whole ? nkv : 1, groups = nkv / hn;
     at::parallel_for(0, B * groups * splits, 1, [&](int64_t begin, int64_t end) {
       FlushDenormals ftz;
