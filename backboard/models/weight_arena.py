@@ -23,36 +23,29 @@ ALIGN = 64          # bytes: every tensor starts on a cache line (and a 512-bit 
 
 def pack_weights(model: nn.Module) -> int:
     """Move the model's CPU parameters and buffers into one buffer, each a view of it in
-    registration order at an ALIGN-byte offset; tensors that shared memory (tied weights) share
-    their view. Tensors that are views of something larger stay where they are. -> bytes packed."""
+    registration order at an ALIGN-byte offset; tensors that shared memory (tied weights) still
+    share it. Tensors that are views of something larger stay where they are. -> bytes packed."""
     tensors = _packable(model)
     if not tensors:
         return 0
     offsets, total = _layout(tensors)
     arena = torch.empty(total, dtype=torch.uint8)
-    moved: dict[int, torch.Tensor] = {}
+    filled: set[int] = set()
     for t, off in zip(tensors, offsets):
-        key = t.data_ptr()
-        if key not in moved:
-            view = arena[off:off + t.nbytes].view(t.dtype).view(t.shape)
+        view = arena[off:off + t.nbytes].view(t.dtype).view(t.shape)
+        if off not in filled:        # tensors on the same memory share an offset: copy it once
             view.copy_(t.data)
-            moved[key] = view
-        t.data = moved[key]          # the old allocation is freed here (peak: one tensor extra)
+            filled.add(off)
+        t.data = view                # the old allocation is freed here (peak: one tensor extra)
     return total
 
 
 def _packable(model: nn.Module) -> list[torch.Tensor]:
-    """CPU parameters and buffers that own their whole (contiguous) allocation, in registration
-    order, each object once."""
-    seen: set[int] = set()
-    out = []
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in seen or not t.is_cpu or t.numel() == 0 or not t.is_contiguous():
-            continue
-        seen.add(id(t))
-        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
-            out.append(t)
-    return out
+    """CPU parameters and buffers (each object once: nn.Module's iterators skip repeats, such as a
+    tied LM head) that own their whole contiguous allocation, in registration order."""
+    return [t for t in [*model.parameters(), *model.buffers()]
+            if t.is_cpu and t.numel() and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.nbytes]
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:

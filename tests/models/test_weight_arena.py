@@ -1,6 +1,6 @@
 """A CPU model's weights in one allocation (models/weight_arena.py): every parameter and buffer a
 view of it, in registration order, cache-line aligned, none overlapping, the values those of a
-model loaded without packing, tied weights still one tensor."""
+model loaded without packing, tensors on one allocation still sharing it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from backboard.config import ModelConfig
 from backboard.models import loader
-from backboard.models.weight_arena import ALIGN, arena_of
+from backboard.models.weight_arena import ALIGN, arena_of, pack_weights
 
 
 def _load(path: str, packed: bool, monkeypatch) -> torch.nn.Module:
@@ -50,8 +50,15 @@ def test_values_are_the_unpacked_models(tiny_models, arch, monkeypatch):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_tied_embedding_stays_one_tensor(tiny_models, monkeypatch):
-    model = _load(tiny_models("llama"), True, monkeypatch)
-    emb = model.model.embed_tokens.weight if hasattr(model, "model") else model.embed_tokens.weight
-    head = model.lm_head.weight
-    assert emb.data_ptr() == head.data_ptr()
+def test_tensors_on_the_same_memory_share_one_slot():
+    """Two parameters on one allocation (a tie by storage rather than by object) keep sharing it,
+    stored once; the arena is the distinct tensors, each rounded up to ALIGN bytes."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.randn(100, 9), requires_grad=False)
+    m.b = torch.nn.Parameter(m.a.data, requires_grad=False)
+    m.c = torch.nn.Parameter(torch.randn(5).bfloat16(), requires_grad=False)
+    a, c = m.a.clone(), m.c.clone()
+    total = pack_weights(m)
+    assert m.a.data_ptr() == m.b.data_ptr() != m.c.data_ptr()
+    assert total == -(-3600 // ALIGN) * ALIGN + ALIGN
+    assert torch.equal(m.a, a) and torch.equal(m.b, a) and torch.equal(m.c, c)

@@ -90,7 +90,7 @@ constexpr int GEMV_ROWS_U = 4;
 // byte, 2 KiB ahead left the LM head's 4-row GEMV short of the memory rate (248320 x 512 on 2 Zen 5
 // cores reading ~81 GB/s, ms at 2 / 4 / 8 / 16 KiB: 2 rows 4.27 / 3.97 / 3.96 / 4.09, 3 rows
 // 3.86 / 3.60 / 3.33 / 3.55, 4 rows 3.77 / 3.40 / 3.03 / 3.03; one row at 2 KiB: 3.35; at ~53 GB/s
-// the 4-row GEMV took 4.9 ms at 2 and 8 KiB alike)
+// the 4-row GEMV took 4.9 ms at 2 and 8 KiB alike; measured with the L2 prefetch, before prefetch_once)
 constexpr std::ptrdiff_t GEMV_ROWS_PF_BYTES = 8192;
 
 template <class F, class = void>

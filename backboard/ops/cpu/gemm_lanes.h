@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gemm_out.h"
 #include "transpose.h"
 
 namespace bb {
@@ -140,8 +141,8 @@ inline void tile(const Args& a, int64_t m0, int64_t n0) {
     if ((kp & 15) == 0)                                 // the next tile's weights, a line ahead
       for (int j = 0; j < NC; ++j) {
         const char* p = reinterpret_cast<const char*>(wr[j] + NC * a.ldw + 2 * kp);
-        if (once) _mm_prefetch(p, _MM_HINT_NTA);
-        else _mm_prefetch(p, _MM_HINT_T1);
+        if (once) prefetch_once(p);
+        else prefetch(p);
       }
     __m512i xv[NV];
     for (int i = 0; i < NV; ++i) xv[i] = _mm512_loadu_si512(xk + i * L);

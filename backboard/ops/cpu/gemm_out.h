@@ -30,9 +30,10 @@ inline void prefetch(const void* p) {
 // software prefetch of a weight line read once per call (the decode GEMVs' streams: gemm_gemv.h),
 // non-temporal: the stream then leaves less of the rest of the step (activations, states, the
 // interpreter's own working set) evicted from L2 / L3 behind it. Decode step of the CPU benchmark
-// checkpoint on 2 Zen 5 cores, this vs PF_TILES' L2 prefetch, 10 pairs at ~63-74 GB/s: one request
+// checkpoint on 2 Zen 5 cores, this vs `prefetch` above (into L2), 10 pairs at ~63-74 GB/s: one request
 // 7.04 -> 6.70 ms (every pair faster), four 7.13 -> 6.67; after the 248320 x 512 LM head's GEMV
-// a prepare_batch took 58-61 us instead of 139-159 (and the GEMV itself 3.5-3.7 ms, 3.8-3.9)
+// a prepare_batch took 58-61 us in two of three tries (164 in the third) instead of 139-159 (and
+// the GEMV itself 3.5-3.7 ms, 3.8-3.9)
 inline void prefetch_once(const void* p) {
 #if defined(BB_SIMD_AVX512) || defined(BB_SIMD_AVX2)
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
