@@ -23,6 +23,7 @@ from backboard.layers.mlp import MLP, SparseMoE
 from backboard.layers.norm import RMSNorm
 from backboard.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from backboard.layers.rotary import RotaryEmbedding
+from backboard.models.cpu_decode import CpuDecodeStep
 from backboard.models.weights import WeightSpec
 
 
@@ -242,6 +243,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_zero_centered)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.cpu_decode = CpuDecodeStep(self)      # decode-only steps on the CPU (models/cpu_decode.py)
 
     @property
     def num_attn_layers(self) -> int:
@@ -250,6 +252,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, H]."""
+        if input_ids.is_cpu and (h := self.cpu_decode.forward(input_ids, positions, inputs_embeds)) is not None:
+            return h
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:

@@ -189,6 +189,16 @@ def use_cpu_decode_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return cpu_ops.kernels() is not None        # resolved once per fixed_selection (cpu_ops.scope)
 
 
+def cpu_decode_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """(gemm module, decode-ops module) when a CPU decode step of these activations over bf16
+    weights like `weight` runs our C++ kernels (use_cpu_decode_ops and the bf16 GEMM), else None:
+    models/cpu_decode.py's condition."""
+    if weight.dtype != torch.bfloat16 or not use_cpu_decode_ops(x):
+        return None
+    mod = _cpu_gemm(x, weight)
+    return None if mod is None else (mod, cpu_ops.kernels())
+
+
 def copy_slices(tensors: list[torch.Tensor], copies: list[tuple[int, int]], dim: int) -> None:
     """The prefix cache's copies (ops.cache_copy): on the CPU one C++ call for every tensor (the
     reference's two torch calls per tensor were ~0.41 ms of a SmolLM2 draft-head step with a

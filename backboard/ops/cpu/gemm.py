@@ -172,6 +172,17 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
+def decode_linear(M: int, mod):
+    """linear_bf16 for a decode step's M bf16 rows on bias-free weights, as fn(x, w)
+    (models/cpu_decode.py): the kernel called directly where linear_bf16 would call it so (the
+    rows path, fp32 x never widened: the usual case), else linear_bf16 itself."""
+    rows = () if zen5(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
+    if M in rows or _panel(mod, M, False, True):
+        return functools.partial(linear_bf16, mod=mod)
+    kernel = mod.linear_bf16
+    return lambda x, w: kernel(x, w, None, False, False)
+
+
 # oneDNN builds (JIT-compiles) a kernel for every new (M, N, K): with AMX 5-7 ms per weight shape,
 # 30-60 ms of a 1000-token prefill of the benchmark checkpoint (+30-60%), paid by nearly every
 # served prompt since their lengths differ. The native path pads M to a multiple of a row block, so
