@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from backboard.ops import dispatch, quant
 from backboard.ops.cpu import build, decode_ops, gemm
+from backboard.ops.cpu.build import cpu_family, supported_isas
 
 LEVELS = list(dict.fromkeys(lv for lv in (build.cpu_isa(), "avx2", "portable")
                             if lv in build.supported_isas()))
@@ -91,15 +92,19 @@ def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtype):
-    """With gemv_rows set wide (gemm.GEMV_ROWS_WIDE, taken on Zen 5; set here on every level),
+    """With gemv_rows set wide (gemm.GEMV_ROWS_WIDE, taken on Zen 5; set here on every level, and
+    for bf16 weights widened in registers, which AVX2 Zen 3s take at 2-3 rows over LM heads),
     2, 3 and 4 rows over layer-sized weights up to K = 2048 go through gemv_rows (its 3- and 4-row
     forms), exact against the reference: a strided x, a partial block of 8 channels, a K tail;
-    the setting refuses more than 4 rows."""
-    kept = mod.gemv_rows()
+    the settings refuse more than 4 rows."""
+    kept, kept_widened = mod.gemv_rows(), mod.gemv_rows_widened()
     assert kept == (gemm.GEMV_ROWS_WIDE if gemm.zen5(mod) else (2, 8 << 20, 1024))
+    zen3_avx2 = mod.isa() == supported_isas()[0] == "avx2" and cpu_family() == gemm.ZEN3
+    assert kept_widened == (gemm.WIDENED_GEMV_ROWS if zen3_avx2 else 0)
     try:
         mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
-        assert mod.gemv_rows() == gemm.GEMV_ROWS_WIDE
+        mod.set_gemv_rows_widened(4)        # bf16 weights widened in registers (Bf16W) too
+        assert mod.gemv_rows() == gemm.GEMV_ROWS_WIDE and mod.gemv_rows_widened() == 4
         for M, N, K in ((2, 61, 600), (3, 1537, 576), (4, 203, 2047), (4, 77, 2048)):
             xs = torch.randn(M, K + 7).to(x_dtype)[:, :K]
             w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
@@ -108,8 +113,12 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
             _close_fp32(mod.linear_int8(xs, q, s, None, True, False), quant.int8_linear_ref(xs.float(), q, s))
         with pytest.raises(ValueError, match="max_m"):
             mod.set_gemv_rows(5, 0, 2048)
+        for bad in (1, 5):
+            with pytest.raises(ValueError, match="max_m"):
+                mod.set_gemv_rows_widened(bad)
     finally:
         mod.set_gemv_rows(*kept)
+        mod.set_gemv_rows_widened(kept_widened)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["default", "gemv_rows_wide"])

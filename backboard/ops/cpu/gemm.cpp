@@ -393,13 +393,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &bb::isa);
   m.def("set_gemv_rows", [](int64_t max_m, int64_t min_weights, int64_t max_k) {
     if (max_m < 2 || max_m > 4) throw std::invalid_argument("set_gemv_rows: max_m must be 2, 3 or 4");
-    bb::gemv_rows_setting() = {max_m, min_weights, max_k};
+    bb::GemvRows& s = bb::gemv_rows_setting();
+    s.max_m = max_m, s.min_weights = min_weights, s.max_k = max_k;
   }, "rows (2..max_m), weight elements and K for which gemv_rows takes the rows path's tiles' place",
         "max_m"_a, "min_weights"_a, "max_k"_a);
   m.def("gemv_rows", [] {
     const bb::GemvRows& s = bb::gemv_rows_setting();
     return std::make_tuple(s.max_m, s.min_weights, s.max_k);
   }, "the setting set_gemv_rows takes: (max_m, min_weights, max_k)");
+  m.def("set_gemv_rows_widened", [](int64_t max_m) {
+    if (max_m != 0 && (max_m < 2 || max_m > 4))
+      throw std::invalid_argument("set_gemv_rows_widened: max_m must be 0 (off), 2, 3 or 4");
+    bb::gemv_rows_setting().widened_max_m = max_m;
+  }, "rows (2..max_m) up to which bf16 weights widened in registers take gemv_rows (0: never)", "max_m"_a);
+  m.def("gemv_rows_widened", [] { return bb::gemv_rows_setting().widened_max_m; },
+        "the setting set_gemv_rows_widened takes");
   m.def("set_lanes_channels", [](int64_t nc) {
 #if defined(BB_ISA_AVX512_BF16)
     if (nc != 6 && nc != 12) throw std::invalid_argument("set_lanes_channels: 6 or 12");

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from backboard.ops.cpu.build import cpu_family, cpu_isa, load_kernels
+from backboard.ops.cpu.build import cpu_family, cpu_isa, load_kernels, supported_isas
 
 FAMILY, SOURCES = "gemm", ("gemm.cpp",)
 X_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,7 +58,17 @@ def _loaded(isa: str):
     if mod is not None and zen5(mod):
         mod.set_gemv_rows(*GEMV_ROWS_WIDE)
         mod.set_lanes_channels(LANES_CHANNELS_WIDE)
+    if mod is not None and isa == "avx2" and supported_isas()[0] == "avx2" and cpu_family() == ZEN3:
+        mod.set_gemv_rows_widened(WIDENED_GEMV_ROWS)
     return mod
+
+# gemm_gemv.h's gemv_rows (every row from one weight stream in address order) for 2 to this many
+# rows over LM head-sized bf16 weights (its default min_weights / max_k) on CPUs whose best level is
+# AVX2 and are AMD family 25 (Zen 3; a Zen 4 of that family runs avx512_bf16, and its avx2 build
+# lost 25-44% there). Decode steps of the benchmark checkpoint on 2 Zen 3 cores, interleaved A/B,
+# median ms, tiles vs this: 2 rows 18.40 -> 15.92 and 19.94 -> 17.17, 3 rows 20.45 -> 18.55; 4 rows
+# lost, 21.65 -> 23.53 (and 2-4 rows over every weight was no better than the LM head alone).
+WIDENED_GEMV_ROWS, ZEN3 = 3, ("AuthenticAMD", 25)
 
 # gemm.cpp's gemv_rows (one weight stream in address order feeding every row) in place of the
 # register tiles for 2 to 4 bf16 rows over every bf16 weight with K <= 2048 (max rows, min weight

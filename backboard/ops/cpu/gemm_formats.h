@@ -19,6 +19,7 @@ namespace {
 // shift and an and, half the work of widening element by element
 struct Bf16W {                       // bf16 weights, fp32 activations
   static constexpr int STEP = 2 * VW, NV = 2, XLANES = VW;
+  static constexpr bool WIDENED_TWO_ROW = true;   // gemv_rows up to GemvRows::widened_max_m rows
   using XT = float; using WV = VF; using XV = VF;
   const uint16_t* w; int64_t ldw;
   void load(int64_t n, int64_t k, WV* o) const { vload_bf16x2(w + n * ldw + k, o[0], o[1]); }

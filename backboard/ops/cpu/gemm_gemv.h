@@ -108,18 +108,28 @@ struct two_row_gemv<F, std::void_t<decltype(F::TWO_ROW_GEMV)>> : std::bool_const
 // Where the address order pays more widely, Python sets these at load (gemm.GEMV_ROWS_WIDE: on a
 // Zen 5, 2 to 4 rows over every short-row weight; the tiles streamed a decode step's weights at
 // 29-31 GB/s there, this order at 39-42, one row's GEMV at 44)
+// Bf16 weights widened in registers (Bf16W: builds without VDPBF16PS, and fp32 x) take gemv_rows
+// only up to widened_max_m rows, 0 (never) unless set at load: the avx2 build on a Zen 4 lost
+// 25-44% to the tiles at two rows (above), on an AVX2-only Zen 3 it won (gemm.WIDENED_GEMV_ROWS)
 struct GemvRows {
   int64_t max_m = 2, min_weights = GEMV_ROWS_MIN_WEIGHTS, max_k = GEMV_ROWS_MAX_K;
+  int64_t widened_max_m = 0;
 };
 inline GemvRows& gemv_rows_setting() {
   static GemvRows s;
   return s;
 }
 
+template <class F, class = void>
+struct widened_two_row : std::false_type {};        // formats under widened_max_m: WIDENED_TWO_ROW
+template <class F>
+struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::true_type {};
+
 template <class F>
 inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
   const GemvRows& s = gemv_rows_setting();
-  return two_row_gemv<F>::value && M >= 2 && M <= s.max_m && K <= s.max_k && N * K >= s.min_weights;
+  const int64_t max_m = widened_two_row<F>::value ? s.widened_max_m : two_row_gemv<F>::value ? s.max_m : 0;
+  return M >= 2 && M <= max_m && K <= s.max_k && N * K >= s.min_weights;
 }
 
 template <class F, int TM>
