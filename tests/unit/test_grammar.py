@@ -205,3 +205,58 @@ def test_apply_bitmask_matches_reference(V):
     assert torch.equal(got, want)
     assert torch.equal(got[3], logits[3])               # not listed: untouched
     assert torch.isfinite(got[0]).sum() == 3 and got[0].argmax() in (96, 97, 99)
+
+
+# ---- the vocabulary's tables ------------------------------------------------------------------
+def test_the_vocabulary_is_built_at_the_lowest_priority(tok, monkeypatch):
+    """At start-up the tables are built on a nice-19 thread: they must not take a core from the
+    decode steps of a server that already said it is ready."""
+    import os
+    import threading
+
+    seen: list[tuple[str, int]] = []
+    orig = GrammarCompiler._build_compiler
+
+    def build(self):
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return orig(self)
+
+    monkeypatch.setattr(GrammarCompiler, "_build_compiler", build)
+    c = GrammarCompiler(tok[0], VOCAB, [])
+    try:
+        c.wait_ready(60)
+        assert seen == [("grammar-vocab", 19)]
+        assert c.get(SO(choice=["yes", "no"])) is not None
+    finally:
+        c.shutdown()
+
+
+def test_a_compile_asked_for_early_does_not_wait_for_the_background_build(tok, monkeypatch):
+    """A starved background build (a busy engine, nice 19) must not hold up a request's grammar:
+    the compile thread builds the tables itself at normal priority, and the late background build
+    does not replace them."""
+    import threading
+    import time
+
+    release, late = threading.Event(), object()
+    orig = GrammarCompiler._build_compiler
+
+    def build(self):                        # the background build hangs, then returns `late`
+        if threading.current_thread().name == "grammar-vocab":
+            release.wait(60)
+            return late
+        return orig(self)
+
+    monkeypatch.setattr(GrammarCompiler, "_build_compiler", build)
+    c = GrammarCompiler(tok[0], VOCAB, [])
+    try:
+        so = SO(choice=["yes", "no"])
+        compiled = c.submit(so).result(timeout=60)          # the background build is still blocked
+        first = c._compiler
+        assert first is not None and first is not late and compiled is not None
+        release.set()
+        time.sleep(0.5)
+        assert c._compiler is first
+    finally:
+        release.set()
+        c.shutdown()
