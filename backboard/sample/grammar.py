@@ -98,30 +98,11 @@ def check_structured_outputs(so: StructuredOutputsParams, param: str | None = No
         raise GrammarError(f"invalid {what}: {xgrammar_message(e)}", param or so.kind) from e
 
 
-def lower_thread_priority() -> None:
-    """The calling thread (and the threads it starts) at nice 19, where the OS allows (Linux sets
-    a thread's nice value by its id); elsewhere nothing."""
-    import os
-
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
 class GrammarCompiler:
     """Compiles specs against one vocabulary on a background thread; futures are cached by key.
 
     vocab_size is the model's (the logits' width: ids past the tokenizer are never allowed);
-    stop_token_ids end a grammar (after it completes, only they are allowed).
-
-    The vocabulary's tables (seconds of CPU for a real tokenizer: 5-7 s for Qwen3.5's 248K tokens
-    on a 2-core Zen 3) are built at start-up on a thread of the lowest priority (nice 19), so that
-    they do not take a core from the decode steps of a server that is already up: on 2 cores at
-    normal priority they halved the memory bandwidth the first requests' steps saw for ~8 s after
-    /health said ready. A compile asked for before they exist builds them again at normal priority
-    on the compile thread (whichever finishes first is kept), so that a busy engine cannot starve
-    it."""
+    stop_token_ids end a grammar (after it completes, only they are allowed)."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int],
                  max_cached: int = MAX_CACHED_GRAMMARS) -> None:
@@ -132,50 +113,22 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiler = None
-        self._ready: Future = Future()
-        self._urgent = False                # a normal-priority build was asked for
+        self._ready = self._pool.submit(self._load_vocabulary)
         self.num_compiled = 0
         self.compile_time_s = 0.0
-        threading.Thread(target=self._load_in_background, name="grammar-vocab", daemon=True).start()
-
-    def _load_in_background(self) -> None:
-        lower_thread_priority()
-        self._load_vocabulary()
 
     def _load_vocabulary(self) -> None:
         import time
 
-        if self._ready.done():
-            return
-        t0 = time.perf_counter()
-        try:
-            compiler = self._build_compiler()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the vocabulary
-            self._settle(None, e)
-            return
-        if self._settle(compiler, None):
-            logger.info("grammar vocabulary ready (%d tokens) in %.2f s", self.vocab_size, time.perf_counter() - t0)
-
-    def _build_compiler(self):
         from transformers import AutoTokenizer
 
         xgr = _xgr()
+        t0 = time.perf_counter()
         hf = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
-        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-    def _settle(self, compiler, error: BaseException | None) -> bool:
-        """The first build to finish sets the vocabulary (or its error). Returns whether it did."""
-        with self._lock:
-            if self._ready.done():
-                return False
-            self._compiler = compiler
-            if error is None:
-                self._ready.set_result(None)
-            else:
-                self._ready.set_exception(error)
-            return True
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        logger.info("grammar vocabulary ready (%d tokens) in %.2f s", self.vocab_size, time.perf_counter() - t0)
 
     def submit(self, so: StructuredOutputsParams) -> Future:
         """A future of the CompiledGrammar (done at once when cached); compile errors surface as
@@ -186,9 +139,6 @@ class GrammarCompiler:
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 return fut
-            if not self._ready.done() and not self._urgent:
-                self._urgent = True             # build it here too, at normal priority
-                self._pool.submit(self._load_vocabulary)
             fut = self._pool.submit(self._compile, so)
             self._cache[key] = fut
             while len(self._cache) > self.max_cached:
