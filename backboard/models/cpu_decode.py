@@ -69,6 +69,9 @@ def decode_only(meta: ForwardMeta) -> bool:
 
 
 class CpuDecodeStep:
+    """The flat decode loop of one model (Qwen3_5ForCausalLM: embed_tokens, layers, norm); whether
+    its layers are covered is decided at the first decode step, once the weights are loaded."""
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.enabled = True               # False: always the module path (tests compare the two)
