@@ -9,13 +9,16 @@ per-call checks and views: on 2 Zen 3 cores (AVX2) a one-request step of the ben
 (hidden 64) 1.8-1.9 ms. This loop calls the same kernels with the same arguments, deciding the
 kernel choices once per step (the logits and states are bit-identical:
 tests/ops/test_cpu_decode_step.py): there, 15.8 -> 13.8 ms (median of 12 interleaved pairs,
-bench checkpoint) and 1.90 -> 0.69 ms (tiny model).
+bench checkpoint), 1.90 -> 0.69 ms (tiny model), and for SmolLM2-135M (30 Llama layers, bf16)
+22.6 -> 16.0 ms at one request, 34.4 -> 27.6 at four.
 
-It is the CPU's counterpart of the CUDA graph runner: the module path stays the definition, and
-runs whatever this does not cover (prefills, verify groups, TP > 1, MoE, biases, weights other
-than bf16, the torch references or Triton kernels, autograd).
+It covers the hybrid's GDN and gated attention layers and the dense decoders' plain attention
+(with or without q / k norm: Llama, Qwen3). It is the CPU's counterpart of the CUDA graph runner:
+the module path stays the definition, and runs whatever this does not cover (prefills, verify
+groups, TP > 1, MoE, biases, weights other than bf16, the torch references or Triton kernels,
+autograd).
 
-    step = CpuDecodeStep(model)           # model: Qwen3_5ForCausalLM
+    step = CpuDecodeStep(model)           # model: Qwen3_5ForCausalLM (or the dense Qwen3ForCausalLM)
     h = step.forward(input_ids, positions) # [T, H] final-normed, or None: run the modules
 """
 
@@ -58,8 +61,11 @@ class _Layer:
     w_out: torch.Tensor               # out_proj / o_proj
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-    qk_norms: tuple[_Norm, _Norm] | None = None
+    qk_norms: tuple[_Norm, _Norm] | None = None   # attention's q / k norms (None: RoPE alone)
     gdn_params: tuple[torch.Tensor, ...] = ()     # conv1d_weight, A_log, dt_bias, norm_weight
+
+
+_NO_NORM = _Norm(None, 0.0, False)         # RoPE without q / k norm (as QKNormRope(None, None, 0.0, False))
 
 
 def decode_only(meta: ForwardMeta) -> bool:
@@ -110,12 +116,13 @@ def _bf16_caches(caches) -> bool:
 
 
 def _covered(layer: nn.Module) -> bool:
-    """Dense SwiGLU MLP, gated attention with q / k norms, and every weight bf16 (biases none): the
-    dtypes under which the module path's ops/dispatch.py picks these same kernels."""
+    """Dense SwiGLU MLP, attention with or without the output gate and q / k norms, and every weight
+    bf16 (biases none): the dtypes under which the module path's ops/dispatch.py picks these same
+    kernels."""
     if not isinstance(layer.mlp, MLP):
         return False
     mixer = layer.linear_attn if layer.is_gdn else layer.self_attn
-    if not layer.is_gdn and not (mixer.gated and mixer.qk_norm and mixer.rotary.inv_freq.dtype == torch.float32):
+    if not layer.is_gdn and mixer.rotary.inv_freq.dtype != torch.float32:
         return False
     linears = [m for m in (*mixer.children(), *layer.mlp.children()) if isinstance(m, Linear)]
     if len(linears) != 4 or any(m.bias is not None for m in linears):
@@ -132,7 +139,7 @@ def _plan(layer: nn.Module) -> _Layer:
                       mlp.down_proj.weight, gdn_params=(a.conv1d_weight, a.A_log, a.dt_bias, a.norm_weight))
     a = layer.self_attn
     return _Layer(False, a, norms, a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight,
-                  mlp.down_proj.weight, (_Norm.of(a.q_norm), _Norm.of(a.k_norm)))
+                  mlp.down_proj.weight, (_Norm.of(a.q_norm), _Norm.of(a.k_norm)) if a.qk_norm else None)
 
 
 class _Loop:
@@ -169,17 +176,21 @@ class _Loop:
                                    self.src, self.dst, self.init, a.nk, a.nv, a.dk, a.dv, a.eps)
 
     def attention(self, L: _Layer, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [T, nh*2D + 2*nkv*D] -> gated attention output [T, nh*D] (GatedAttention.forward,
-        PagedAttention.forward's decode group)."""
+        """qkv [T, nh*qD + 2*nkv*D] (qD = 2D with the output gate) -> [T, nh*D], gated where the
+        model gates (GatedAttention.forward, PagedAttention.forward's decode group)."""
         a, T, meta = L.mixer, qkv.shape[0], self.meta
         nh, nkv, D = a.nh, a.nkv, a.D
         q, k, v = a.qkv_proj.split(qkv)
-        qg = q.view(T, nh, 2 * D)
+        gate = None
+        if a.gated:
+            q, gate = q.view(T, nh, 2 * D)[..., :D], q.view(T, nh, 2 * D)[..., D:]
+        else:
+            q = q.view(T, nh, D)
         kc, vc = self.caches.k[a.attn.attn_idx], self.caches.v[a.attn.attn_idx]
-        qn, kn = L.qk_norms
-        q = self.ops.qk_norm_rope_write_kv(qg[..., :D], k.view(T, nkv, D), v.view(T, nkv, D), qn.weight,
-                                           kn.weight, qn.eps, qn.zero_centered, self.positions,
-                                           a.rotary.inv_freq, kc, vc, meta.slot_mapping)
+        qn, kn = L.qk_norms or (_NO_NORM, _NO_NORM)
+        q = self.ops.qk_norm_rope_write_kv(q, k.view(T, nkv, D), v.view(T, nkv, D), qn.weight, kn.weight, qn.eps,
+                                           qn.zero_centered, self.positions, a.rotary.inv_freq, kc, vc,
+                                           meta.slot_mapping)
         o = self.ops.paged_attention_decode(q.view(T, 1, nh, D), kc, vc, meta.block_table, meta.seq_lens,
-                                            self.max_len, a.attn.scale)
-        return o.reshape(T, nh * D) * torch.sigmoid(qg[..., D:].reshape(T, nh * D))
+                                            self.max_len, a.attn.scale).reshape(T, nh * D)
+        return o if gate is None else o * torch.sigmoid(gate.reshape(T, nh * D))

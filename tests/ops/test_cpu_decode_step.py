@@ -1,4 +1,5 @@
-"""models/cpu_decode.py: a decode-only step of the tiny hybrid through the flat loop of C++ calls
+"""models/cpu_decode.py: a decode-only step of the tiny hybrid (and of dense Llama / Qwen3 models)
+through the flat loop of C++ calls
 gives the module path's logits and GDN / KV states bit for bit, runs where it should (every
 decode-only bf16 step on the C++ kernels) and nowhere else (mixed steps, fp32 weights, the torch
 references); gemm.decode_linear is linear_bf16 at every row count."""
@@ -32,9 +33,13 @@ def loop_runs(monkeypatch) -> list[int]:
     return runs
 
 
-def _driver(path: str, dtype: str = "bfloat16", flat: bool = True) -> FlatBatchDriver:
+def _driver(path: str, dtype: str = "bfloat16", flat: bool = True, biases: bool = True) -> FlatBatchDriver:
+    """biases=False: the attention biases dropped (the tiny Llama has them; SmolLM2's Llama has none)."""
     d = FlatBatchDriver(path, dtype=dtype, block_size=8, num_blocks=64, num_slots=16)
     d.model.cpu_decode.enabled = flat
+    for layer in d.model.layers if not biases else ():
+        if not layer.is_gdn:
+            layer.self_attn.qkv_proj.bias = layer.self_attn.o_proj.bias = None
     return d
 
 
@@ -51,23 +56,28 @@ def _decode(d: FlatBatchDriver, prompts: list[list[int]], steps: int, mode: str 
             if i == join:                               # its slot holds a finished request's state
                 g = torch.Generator().manual_seed(i)
                 for t in (d.caches.ssm, d.caches.conv):
-                    t[:, d.free_slots[-1]] = torch.randn(t[:, 0].shape, generator=g).to(t.dtype)
+                    if t is not None:                   # a hybrid's GDN states
+                        t[:, d.free_slots[-1]] = torch.randn(t[:, 0].shape, generator=g).to(t.dtype)
             last = d.step(work + ([(len(prompts), [11])] if i == join else []))
             out.append(torch.stack([last[r] for r in sorted(last)]))
-    return out, [d.caches.ssm.clone(), d.caches.conv.clone(), *[t.clone() for t in d.caches.k + d.caches.v]]
+    caches = (d.caches.ssm, d.caches.conv, *d.caches.k, *d.caches.v)
+    return out, [t.clone() for t in caches if t is not None]
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_flat_decode_matches_the_module_path_bit_for_bit(hybrid_model, monkeypatch, loop_runs, isa, num_reqs):
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama", "qwen3"])    # gated + GDN; plain (SmolLM2); q / k norm
+def test_flat_decode_matches_the_module_path_bit_for_bit(tiny_models, monkeypatch, loop_runs, isa, num_reqs, arch):
+    hybrid_model = tiny_models(arch)
     built(isa)
     monkeypatch.setenv("BACKBOARD_CPU_ISA", isa)
     monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 14, 21)[:num_reqs]]
-    ref, ref_states = _decode(_driver(hybrid_model, flat=False), prompts, 4, join=1)
+    biases = arch != "llama"
+    ref, ref_states = _decode(_driver(hybrid_model, flat=False, biases=biases), prompts, 4, join=1)
     assert loop_runs == []
-    got, states = _decode(_driver(hybrid_model), prompts, 4, join=1)
+    got, states = _decode(_driver(hybrid_model, biases=biases), prompts, 4, join=1)
     assert loop_runs == [num_reqs] + [num_reqs + 1] * 3     # every decode step, never the prefill
     for r, g in zip(ref, got):
         assert torch.equal(r, g), float((r - g).abs().max())
