@@ -183,7 +183,8 @@ class _Loop:
         q, k, v = a.qkv_proj.split(qkv)
         gate = None
         if a.gated:
-            q, gate = q.view(T, nh, 2 * D)[..., :D], q.view(T, nh, 2 * D)[..., D:]
+            qg = q.view(T, nh, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:]
         else:
             q = q.view(T, nh, D)
         kc, vc = self.caches.k[a.attn.attn_idx], self.caches.v[a.attn.attn_idx]

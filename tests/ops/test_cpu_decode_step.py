@@ -68,16 +68,16 @@ def _decode(d: FlatBatchDriver, prompts: list[list[int]], steps: int, mode: str 
 @pytest.mark.parametrize("num_reqs", [1, 3])
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama", "qwen3"])    # gated + GDN; plain (SmolLM2); q / k norm
 def test_flat_decode_matches_the_module_path_bit_for_bit(tiny_models, monkeypatch, loop_runs, isa, num_reqs, arch):
-    hybrid_model = tiny_models(arch)
+    path = tiny_models(arch)
     built(isa)
     monkeypatch.setenv("BACKBOARD_CPU_ISA", isa)
     monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 14, 21)[:num_reqs]]
     biases = arch != "llama"
-    ref, ref_states = _decode(_driver(hybrid_model, flat=False, biases=biases), prompts, 4, join=1)
+    ref, ref_states = _decode(_driver(path, flat=False, biases=biases), prompts, 4, join=1)
     assert loop_runs == []
-    got, states = _decode(_driver(hybrid_model, biases=biases), prompts, 4, join=1)
+    got, states = _decode(_driver(path, biases=biases), prompts, 4, join=1)
     assert loop_runs == [num_reqs] + [num_reqs + 1] * 3     # every decode step, never the prefill
     for r, g in zip(ref, got):
         assert torch.equal(r, g), float((r - g).abs().max())

@@ -156,12 +156,17 @@ FP32_X_ROWS = {"avx512_bf16": (2, 3)}
 FP32_X_MIN_WEIGHTS, FP32_X_MAX_K = 8 << 20, 1024
 
 
+def _fp32_x_rows(mod) -> tuple[int, ...]:
+    """Row counts of bf16 x that may run widened to fp32 (FP32_X_ROWS; not where GEMV_ROWS_WIDE is
+    set: there bf16 x of 2-3 rows over SmolLM2's 49152 x 576 took 1.11 ms in gemv_rows, widened to
+    fp32 1.54-1.58, on a Zen 5)."""
+    return () if zen5(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
+
+
 def _widen_x_pays(mod, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """(Not where GEMV_ROWS_WIDE is set: there bf16 x of 2-3 rows over SmolLM2's 49152 x 576 took
-    1.11 ms in gemv_rows, widened to fp32 1.54-1.58, on a Zen 5.)"""
     N, K = w.shape
-    rows = () if zen5(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
-    return x.dtype == torch.bfloat16 and x.shape[0] in rows and K <= FP32_X_MAX_K and N * K >= FP32_X_MIN_WEIGHTS
+    return (x.dtype == torch.bfloat16 and x.shape[0] in _fp32_x_rows(mod) and K <= FP32_X_MAX_K
+            and N * K >= FP32_X_MIN_WEIGHTS)
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -186,8 +191,7 @@ def decode_linear(M: int, mod):
     """linear_bf16 for a decode step's M bf16 rows on bias-free weights, as fn(x, w)
     (models/cpu_decode.py): the kernel called directly where linear_bf16 would call it so (the
     rows path, fp32 x never widened: the usual case), else linear_bf16 itself."""
-    rows = () if zen5(mod) else FP32_X_ROWS.get(_isa_running(mod), ())
-    if M in rows or _panel(mod, M, False, True):
+    if M in _fp32_x_rows(mod) or _panel(mod, M, False, True):
         return functools.partial(linear_bf16, mod=mod)
     kernel = mod.linear_bf16
     return lambda x, w: kernel(x, w, None, False, False)

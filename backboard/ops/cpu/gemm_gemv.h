@@ -123,7 +123,7 @@ inline GemvRows& gemv_rows_setting() {
 template <class F, class = void>
 struct widened_two_row : std::false_type {};        // formats under widened_max_m: WIDENED_TWO_ROW
 template <class F>
-struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::true_type {};
+struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::bool_constant<F::WIDENED_TWO_ROW> {};
 
 template <class F>
 inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
