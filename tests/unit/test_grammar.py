@@ -5,6 +5,7 @@ against its reference."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -83,6 +84,22 @@ def test_compile_is_cached_by_key(compiler):
 
 
 # ---- one request ------------------------------------------------------------------------------
+def test_vocabulary_is_built_by_the_first_compile_not_at_start_up(tok, monkeypatch):
+    # built at start-up, its seconds of one core fell on the first steps after /health said ready
+    loads = []
+    real = GrammarCompiler._load_vocabulary
+    monkeypatch.setattr(GrammarCompiler, "_load_vocabulary", lambda self: (loads.append(1), real(self))[1])
+    c = GrammarCompiler(tok[0], VOCAB, [tok[1].convert_tokens_to_ids("<|im_end|>")])
+    try:
+        time.sleep(0.3)
+        assert loads == [] and not c.vocabulary_started
+        assert c.get(SO(regex="ab")) is not None and loads == [1]
+        c.get(SO(regex="abc"))
+        assert loads == [1]
+    finally:
+        c.shutdown()
+
+
 def test_json_schema_accepts_valid_and_refuses_invalid(tok, compiler):
     so = SO(json=json.dumps(SCHEMA))
     good = json.dumps({"name": "x", "n": 3, "tags": ["a"]})    # compact: ", " and ": "
