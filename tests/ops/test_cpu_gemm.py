@@ -93,7 +93,7 @@ def test_two_rows_over_a_large_weight_read_in_address_order(mod, x_dtype):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtype):
     """With gemv_rows set wide (gemm.GEMV_ROWS_WIDE, taken on Zen 5; set here on every level, and
-    for bf16 weights widened in registers, which AVX2 Zen 3s take at 2-3 rows over LM heads),
+    for bf16 weights widened in registers, which AVX2 Zen 3s take at 2-4 rows over LM heads),
     2, 3 and 4 rows over layer-sized weights up to K = 2048 go through gemv_rows (its 3- and 4-row
     forms), exact against the reference: a strided x, a partial block of 8 channels, a K tail;
     the settings refuse more than 4 rows."""

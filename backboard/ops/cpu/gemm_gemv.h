@@ -132,22 +132,37 @@ inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
   return M >= 2 && M <= max_m && K <= s.max_k && N * K >= s.min_weights;
 }
 
+// AVX2 has 16 registers: 4 rows x 4 steps of accumulators spilled (the bf16 weights' 4-row
+// gemv_rows lost to the tiles on a Zen 3); 4 rows keep 2 steps (8 FMA chains, one weight step of
+// 2 vectors loaded at a time). LM head 248320 x 512 on 2 Zen 3 cores, min / median ms of 14,
+// interleaved: 4 rows 12.8-13.3 / 15.3 (4 steps: 15.5 / 17.9, tiles 15.0 / 17.3; 3 steps 13.8 /
+// 15.6); 3 rows the same at 3 or 4 steps (13.7-13.8 / 14.9-15.3)
+template <int TM>
+constexpr int gemv_rows_u() {
+#if defined(BB_SIMD_AVX2)
+  return TM <= 3 ? GEMV_ROWS_U : 2;
+#else
+  return GEMV_ROWS_U;
+#endif
+}
+
 template <class F, int TM>
 inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, int64_t n, int64_t kv, VF* acc) {
   constexpr int64_t S = F::STEP;
-  constexpr int U = GEMV_ROWS_U;
+  constexpr int U = gemv_rows_u<TM>();
   VF a[TM][U];
   for (int i = 0; i < TM; ++i)
     for (int u = 0; u < U; ++u) a[i][u] = vzero();
   int64_t k = 0;
   for (; k + U * S <= kv; k += U * S) {
     prefetch_stream(f, n, k, k + U * S, GEMV_ROWS_PF_BYTES);
-    typename F::WV w[U][F::NV];
-    for (int u = 0; u < U; ++u) f.load(n, k + u * S, w[u]);
-    for (int v = 0; v < F::NV; ++v)
-      for (int i = 0; i < TM; ++i)
-        for (int u = 0; u < U; ++u)
-          a[i][u] = F::fma(a[i][u], w[u][v], F::loadx(x + i * ldx + k + u * S + v * F::XLANES));
+    for (int u = 0; u < U; ++u) {
+      typename F::WV w[F::NV];
+      f.load(n, k + u * S, w);
+      for (int v = 0; v < F::NV; ++v)
+        for (int i = 0; i < TM; ++i)
+          a[i][u] = F::fma(a[i][u], w[v], F::loadx(x + i * ldx + k + u * S + v * F::XLANES));
+    }
   }
   for (; k < kv; k += S) {
     typename F::WV w0[F::NV];
