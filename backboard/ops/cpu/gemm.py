@@ -22,8 +22,12 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
           reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
           there) was as fast or faster, so native takes over
 The thresholds come from benchmarks/cpu_kernels.py (bf16 weights, one Zen 4 core: with VDPBF16PS
-the rows path matches oneDNN's bf16 matmul up to M = 64-128; AVX2 rows match MKL's fp32 GEMM up to
-M = 128 and trail the panel path by ~10% at 256).
+the rows path matches oneDNN's bf16 matmul up to M = 64-128; the avx2 build's rows matched MKL's
+fp32 GEMM up to M = 128 there and trailed the panel path by ~10% at 256). On an AVX2-only CPU, a
+2-core Zen 3 without AVX-512's registers, the panel path won from 56 rows: 64-request decode steps
+of the benchmark checkpoint, min / median ms of 16 interleaved, rows vs panel 207.7 / 217.2 vs
+189.5 / 199.8 (and in 3 of 4 shorter A/Bs; 56 requests 204.8 / 231.9 vs 175.4 / 206.9); GEMMs
+alone at 48 rows even (LM head 110.5 vs 114.0 ms best of 4), at 32 rows the rows path 11-16% ahead.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 # level: (rows path up to M rows for bf16 weights, for int8/int4 weights; above: panel, or
 # native for bf16 weights and bf16 activations where the CPU multiplies bf16 natively)
 POLICY = {"amx_bf16": (64, 48, "native"), "avx512_bf16": (64, 48, "native"), "avx512": (48, 48, "panel"),
-          "avx2": (64, 48, "panel"), "portable": (8, 8, "panel")}
+          "avx2": (48, 48, "panel"), "portable": (8, 8, "panel")}
 
 
 def module(isa: str | None = None):
