@@ -121,6 +121,26 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
         mod.set_gemv_rows_widened(kept_widened)
 
 
+def test_five_to_48_rows_in_groups_of_four_where_four_rows_stream(mod):
+    """Bf16 weights widened in registers where gemv_rows takes 4 rows (AVX2 Zen 3s: the LM head)
+    take 5 to 48 rows in groups of 4 (gemm_gemv.h), the last 1-3 rows a group of their own: exact
+    against the reference at every remainder, with a partial block of 8 channels, a K tail, a
+    strided x, a bias and bf16 outputs the fp32 ones rounded."""
+    kept, kept_widened = mod.gemv_rows(), mod.gemv_rows_widened()
+    try:
+        mod.set_gemv_rows(*gemm.GEMV_ROWS_WIDE)
+        mod.set_gemv_rows_widened(4)
+        for M, N, K in ((5, 61, 600), (6, 203, 2047), (7, 77, 512), (13, 99, 528), (48, 37, 256)):
+            xs = torch.randn(M, K + 7)[:, :K]
+            w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
+            y32 = mod.linear_bf16(xs, w, b, True, False)
+            _close_fp32(y32, _ref_bf16(xs, w) + b)
+            assert torch.equal(mod.linear_bf16(xs, w, b, False, False), y32.bfloat16()), f"M={M}"
+    finally:
+        mod.set_gemv_rows(*kept)
+        mod.set_gemv_rows_widened(kept_widened)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["default", "gemv_rows_wide"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 def test_bf16_outputs_are_the_fp32_sums_rounded_to_nearest_even(mod, x_dtype, wide):

@@ -12,7 +12,8 @@
 //          On avx512_bf16 a bf16 x uses VDPBF16PS (two bf16 products per fp32 lane, exact
 //          products, fp32 accumulation); an fp32 x is never rounded to bf16. One row (M = 1)
 //          reads its channels one after another instead (gemv in gemm_gemv.h: a single stream),
-//          and so do two bf16 rows over a bf16 weight of 8M+ elements in short rows (gemv_rows).
+//          and so do two bf16 rows over a bf16 weight of 8M+ elements in short rows (gemv_rows;
+//          on AVX2 Zen 3s up to GEMV_ROW_GROUPS_MAX rows, in groups of 4).
 //   lanes  bf16 x with 16+ rows (14+ over many channels) on avx512_bf16 (gemm_lanes.h): rows in
 //          the vector lanes, a weight pair broadcast, no horizontal sums (1.5-1.9x the rows path
 //          at 32-64 rows)
@@ -119,11 +120,7 @@ template <class F>
 void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const Out& o) {
   if (M == 1) gemv(f, x, N, K, o);
-  else if (gemv_rows_pays<F>(M, N, K)) {
-    if (M == 2) gemv_rows<F, 2>(f, x, ldx, N, K, o);
-    else if (M == 3) gemv_rows<F, 3>(f, x, ldx, N, K, o);
-    else gemv_rows<F, 4>(f, x, ldx, N, K, o);
-  }
+  else if (gemv_rows_pays<F>(M, N, K) || row_groups_pay<F>(M, N, K)) gemv_rows<F>(f, x, ldx, M, N, K, o);
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
