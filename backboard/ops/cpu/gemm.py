@@ -26,8 +26,9 @@ the rows path matches oneDNN's bf16 matmul up to M = 64-128; the avx2 build's ro
 fp32 GEMM up to M = 128 there and trailed the panel path by ~10% at 256). On an AVX2-only CPU, a
 2-core Zen 3 without AVX-512's registers, the panel path won from 56 rows: 64-request decode steps
 of the benchmark checkpoint, min / median ms of 16 interleaved, rows vs panel 207.7 / 217.2 vs
-189.5 / 199.8 (and in 3 of 4 shorter A/Bs; 56 requests 204.8 / 231.9 vs 175.4 / 206.9); GEMMs
-alone at 48 rows even (LM head 110.5 vs 114.0 ms best of 4), at 32 rows the rows path 11-16% ahead.
+189.5 / 199.8 (in four shorter A/Bs at 56-64 requests the minimums were better every time, the
+medians twice; 56 requests 204.8 / 231.9 vs 175.4 / 206.9); GEMMs alone at 48 rows even (LM head
+110.5 vs 114.0 ms best of 4), at 32 rows the rows path 11-16% ahead.
 """
 
 from __future__ import annotations
