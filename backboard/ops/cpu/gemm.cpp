@@ -120,7 +120,7 @@ template <class F>
 void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const Out& o) {
   if (M == 1) gemv(f, x, N, K, o);
-  else if (gemv_rows_pays<F>(M, N, K) || row_groups_pay<F>(M, N, K)) gemv_rows<F>(f, x, ldx, M, N, K, o);
+  else if (gemv_rows_pays<F>(M, N, K)) gemv_rows<F>(f, x, ldx, M, N, K, o);
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
@@ -402,7 +402,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (max_m != 0 && (max_m < 2 || max_m > 4))
       throw std::invalid_argument("set_gemv_rows_widened: max_m must be 0 (off), 2, 3 or 4");
     bb::gemv_rows_setting().widened_max_m = max_m;
-  }, "rows (2..max_m) up to which bf16 weights widened in registers take gemv_rows (0: never)", "max_m"_a);
+  }, "rows (2..max_m) up to which bf16 weights widened in registers take gemv_rows (0: never; 4: on to "
+     "GEMV_ROW_GROUPS_MAX rows, in groups of 4)", "max_m"_a);
   m.def("gemv_rows_widened", [] { return bb::gemv_rows_setting().widened_max_m; },
         "the setting set_gemv_rows_widened takes");
   m.def("set_lanes_channels", [](int64_t nc) {

@@ -126,10 +126,22 @@ struct widened_two_row : std::false_type {};        // formats under widened_max
 template <class F>
 struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::bool_constant<F::WIDENED_TWO_ROW> {};
 
+// gemv_rows: M rows in groups of 4 (the last 1-3 rows a group of their own; 2-4 rows are one
+// group), each block of 8 channels through every group before the next: the block's weights come
+// from memory once, then from L1. Beyond 4 rows (up to GEMV_ROW_GROUPS_MAX) only for bf16 weights
+// widened in registers where widened_max_m is 4 (AVX2 Zen 3s: gemv_rows_pays), in place of the
+// 4 x 2 tiles (2 channels read side by side, each 4 x 2 outputs reduced on their own). On 2 Zen 3 cores, the LM head 248320 x 512, min / median ms of 12
+// interleaved, tiles vs groups: 13 rows 31.20 / 31.78 vs 28.26 / 28.63, 16 rows 36.66 / 37.26 vs
+// 33.34 / 34.98, 32 rows 72.33 / 73.22 vs 66.11 / 67.62, 48 rows 107.2 / 112.1 vs 96.9 / 99.4;
+// the benchmark checkpoint's 16-request decode step 53.00 / 54.24 -> 50.04 / 51.13 and 52.67 /
+// 54.35 -> 49.18 / 50.78 (8 and 12 requests within 1-3%)
+constexpr int64_t GEMV_ROW_GROUPS_MAX = 48;
+
 template <class F>
 inline bool gemv_rows_pays(int64_t M, int64_t N, int64_t K) {
   const GemvRows& s = gemv_rows_setting();
-  const int64_t max_m = widened_two_row<F>::value ? s.widened_max_m : two_row_gemv<F>::value ? s.max_m : 0;
+  int64_t max_m = widened_two_row<F>::value ? s.widened_max_m : two_row_gemv<F>::value ? s.max_m : 0;
+  if (widened_two_row<F>::value && max_m == 4) max_m = GEMV_ROW_GROUPS_MAX;   // and on in groups of 4
   return M >= 2 && M <= max_m && K <= s.max_k && N * K >= s.min_weights;
 }
 
@@ -192,23 +204,6 @@ inline void gemv_rows_block(const F& f, const typename F::XT* x, int64_t ldx, in
     else for (int j = 0; j < TN; ++j) sums[i * TN + j] = vsum(row[j]);
   }
   store_sums<F, TM, TN>(f, sums, x, ldx, 0, n0, K, kv, o);
-}
-
-// gemv_rows: M rows in groups of 4 (the last 1-3 rows a group of their own; 2-4 rows are one
-// group), each block of 8 channels through every group before the next: the block's weights come
-// from memory once, then from L1. Beyond 4 rows (row_groups_pay), up to GEMV_ROW_GROUPS_MAX, only
-// for bf16 weights widened in registers where gemv_rows takes 4 of their rows (widened_max_m:
-// AVX2 Zen 3s), in place of the 4 x 2 tiles (2 channels read side by side, each 4 x 2 outputs
-// reduced on their own). On 2 Zen 3 cores, the LM head 248320 x 512, min / median ms of 12
-// interleaved, tiles vs groups: 13 rows 31.20 / 31.78 vs 28.26 / 28.63, 16 rows 36.66 / 37.26 vs
-// 33.34 / 34.98, 32 rows 72.33 / 73.22 vs 66.11 / 67.62, 48 rows 107.2 / 112.1 vs 96.9 / 99.4;
-// the benchmark checkpoint's 16-request decode step 53.00 / 54.24 -> 50.04 / 51.13 and 52.67 /
-// 54.35 -> 49.18 / 50.78 (8 and 12 requests within 1-3%)
-constexpr int64_t GEMV_ROW_GROUPS_MAX = 48;
-
-template <class F>
-inline bool row_groups_pay(int64_t M, int64_t N, int64_t K) {
-  return widened_two_row<F>::value && M > 4 && M <= GEMV_ROW_GROUPS_MAX && gemv_rows_pays<F>(4, N, K);
 }
 
 template <class F, int TM, int TN>
