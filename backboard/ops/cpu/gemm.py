@@ -64,6 +64,7 @@ def _loaded(isa: str):
         mod.set_gemv_rows(*GEMV_ROWS_WIDE)
         mod.set_lanes_channels(LANES_CHANNELS_WIDE)
     if mod is not None and isa == "avx2" and supported_isas()[0] == "avx2" and cpu_family() == ZEN3:
+        mod.set_gemv_rows(*GEMV_ROWS_ZEN3)
         mod.set_gemv_rows_widened(WIDENED_GEMV_ROWS)
     return mod
 
@@ -72,11 +73,21 @@ def _loaded(isa: str):
 # AVX2 and are AMD family 25 (Zen 3; a Zen 4 of that family runs avx512_bf16, and its avx2 build
 # lost 25-44% there). Decode steps of the benchmark checkpoint on 2 Zen 3 cores, interleaved A/B,
 # median ms, tiles vs this: 2 rows 18.40 -> 15.92 and 19.94 -> 17.17, 3 rows 20.45 -> 18.55 (and
-# 2-4 rows over every weight was no better than the LM head alone). 4 rows lost (21.65 -> 23.53)
+# 2-4 rows over every weight was then no better than the LM head alone: GEMV_ROWS_ZEN3). 4 rows lost (21.65 -> 23.53)
 # until gemv_rows kept 2 steps of K in flight there instead of 4 (gemm_gemv.h: 4 rows x 4 steps
 # spilled AVX2's 16 registers); since, tiles vs this at 4 rows, min / median of 10-12 interleaved
 # steps: 17.23 / 20.74 -> 16.71 / 19.10 and 21.09 / 22.24 -> 19.32 / 20.46 ms.
 WIDENED_GEMV_ROWS, ZEN3 = 4, ("AuthenticAMD", 25)
+# ... and over every weight with K <= 1024, not only LM head-sized ones (max rows for the formats
+# that opt in at any width, min weight elements, max K): layer-sized bf16 weights on 2 Zen 3 cores,
+# 12 of each shape cycled (48+ MB, cold), us, tiles vs gemv_rows: 4 rows 4096 x 512 248 vs 208,
+# 1544 x 512 81 vs 67, 512 x 512 28.5 vs 24.4; 16 rows 4096 x 512 609 vs 587, 1544 x 512 237 vs
+# 214; 32 rows 4096 x 512 1226 vs 1097; 48 rows 3072 x 512 1360 vs 1229 (8 rows within 3%); K =
+# 2048 lost at every row count (512 x 2048, 16 rows: 331 vs 375). Decode steps of the benchmark
+# checkpoint (with gemm_gemv.h's 1 KiB prefetch), min / median ms of 10 interleaved, LM head only
+# vs this: 2 requests 12.12 / 12.76 -> 11.37 / 11.71 and 11.69 / 12.76 -> 11.15 / 11.96, 3 requests
+# 12.92 / 13.42 -> 12.34 / 12.65, 4, 8 and 16 requests within 2%.
+GEMV_ROWS_ZEN3 = (2, 0, 1024)
 
 # gemm.cpp's gemv_rows (one weight stream in address order feeding every row) in place of the
 # register tiles for 2 to 4 bf16 rows over every bf16 weight with K <= 2048 (max rows, min weight

@@ -98,8 +98,16 @@ constexpr int GEMV_ROWS_U = 4;
 // byte, 2 KiB ahead left the LM head's 4-row GEMV short of the memory rate (248320 x 512 on 2 Zen 5
 // cores reading ~81 GB/s, ms at 2 / 4 / 8 / 16 KiB: 2 rows 4.27 / 3.97 / 3.96 / 4.09, 3 rows
 // 3.86 / 3.60 / 3.33 / 3.55, 4 rows 3.77 / 3.40 / 3.03 / 3.03; one row at 2 KiB: 3.35; at ~53 GB/s
-// the 4-row GEMV took 4.9 ms at 2 and 8 KiB alike; measured with the L2 prefetch, before prefetch_once)
+// the 4-row GEMV took 4.9 ms at 2 and 8 KiB alike; measured with the L2 prefetch, before prefetch_once).
+// AVX2 builds 1 KiB, as their one-row GEMV: on 2 Zen 3 cores, the LM head min / median ms of 8-10
+// interleaved, 8 KiB vs 1 KiB: 2 rows 9.70 / 10.07 vs 7.33 / 7.89 and 10.32 / 10.55 vs 8.23 / 9.03,
+// 3 rows 10.60 / 11.54 vs 9.38 / 10.22, 4 rows 11.29 / 11.80 vs 10.64 / 11.84 (512 B - 16 KiB
+// tried; the hint, NTA or T0, the same), 8-32 rows within noise
+#if defined(BB_SIMD_AVX2)
+constexpr std::ptrdiff_t GEMV_ROWS_PF_BYTES = 1024;
+#else
 constexpr std::ptrdiff_t GEMV_ROWS_PF_BYTES = 8192;
+#endif
 
 template <class F, class = void>
 struct two_row_gemv : std::false_type {};           // formats opt in with TWO_ROW_GEMV
