@@ -16,7 +16,7 @@ Sections: each linear shape of the model at 1, 4, 16, 64 rows (+ prefill 256, 51
 (dispatch.linear: what the layers run), torch bf16 and torch fp32; int8 / int4 (the draft head's
 formats); causal prefill attention of one request (dispatch.paged_attention_prefill: the C++
 flash form on AVX512-BF16) against torch's bf16 SDPA and the FLOP floor; the decode step of the
-model at 1, 4, 16, 64 requests in bf16 and fp32.
+model at 1, 4, 16, 64 requests in bf16 and fp32, and the two taken in turn (their ratio).
 
     python benchmarks/cpu_kernels.py [--threads N] [--model CKPT] [--quick]
 
@@ -196,30 +196,56 @@ def step_bytes_flops(ours, R: int, ctx: int) -> tuple[float, float]:
     return weights + R * (state + kv), 2 * R * linear
 
 
-def bench_steps(fl: Floors, path: str, dtype: str, rows: list[int], ctx: int) -> dict[int, float]:
+def prefilled(path: str, dtype: str, R: int, ctx: int):
+    """The flat-batch driver over `path` in `dtype` with R requests of ctx tokens prefilled."""
     from forward_cpu import Ours  # the benchmarks' flat-batch driver
 
-    ours = Ours(path, dtype, max(rows), ctx)
+    ours = Ours(path, dtype, R, ctx)
     rng = np.random.default_rng(0)
-    ctxs = [rng.integers(0, 1000, ctx).tolist() for _ in range(max(rows))]
+    ctxs = [rng.integers(0, 1000, ctx).tolist() for _ in range(R)]
     for i in range(0, len(ctxs), 16):
         ours.run([BatchRequest(np.array(c), 0, ours.blocks[j], j) for j, c in enumerate(ctxs[i:i + 16], i)])
-    out = {}
+    return ours
+
+
+def decode_step(ours, R: int, ctx: int):
+    """One decode step of the first R requests at position ctx (re-running it overwrites that KV
+    entry: each call is a genuine decode step)."""
+    step = [BatchRequest(np.array([7]), ctx, ours.blocks[i], i) for i in range(R)]
+    return lambda: ours.run(step)
+
+
+def bench_steps(fl: Floors, ours, dtype: str, rows: list[int], ctx: int) -> None:
     for R in rows:
-        # re-running position ctx overwrites its KV entry: each call is a genuine decode step
-        step = [BatchRequest(np.array([7]), ctx, ours.blocks[i], i) for i in range(R)]
-        t, bw0, bw1 = timed_with_bandwidth(lambda: ours.run(step))
+        step = decode_step(ours, R, ctx)
+        t, bw0, bw1 = timed_with_bandwidth(step)
         with dispatch.override("torch"):
-            t_ref = timed(lambda: ours.run(step), reps=2)
+            t_ref = timed(step, reps=2)
         nbytes, flops = step_bytes_flops(ours, R, ctx)
         floor = fl.of(nbytes, flops, (bw0 + bw1) / 2)
-        out[R] = t
         moved = "  MEMORY RATE MOVED" if max(bw0, bw1) > STATE_CHANGE * min(bw0, bw1) else ""
         print(f"  [{dtype}] decode step, {R:>2} requests (ctx {ctx}): {t * 1e3:8.2f} ms  floor "
               f"{floor * 1e3:7.2f} ms ({nbytes / 1e6:6.1f} MB, {flops / 1e9:5.1f} GFLOP; read "
               f"{bw0 / 1e9:.0f} / {bw1 / 1e9:.0f} GB/s before / after)  step/floor {t / floor:5.2f}x  "
               f"{R / t:7.1f} tok/s  (torch references: {t_ref * 1e3:8.2f} ms){moved}", flush=True)
-    return out
+
+
+def bench_dtypes_interleaved(models: dict, rows: list[int], ctx: int, pairs: int = 8) -> None:
+    """bf16 against fp32 decode steps taken in turn in one process: the ratio of their medians does
+    not move with the memory rate, which on some VMs changes within minutes (a ratio of two best
+    times taken minutes apart can)."""
+    for R in rows:
+        steps = {dt: decode_step(ours, R, ctx) for dt, ours in models.items()}
+        ts = {dt: [] for dt in models}
+        for _ in range(pairs):
+            for dt, step in steps.items():
+                t = CLOCK()
+                step()
+                ts[dt].append(CLOCK() - t)
+        med = {dt: float(np.median(v)) for dt, v in ts.items()}
+        print(f"  {R:>2} requests: bf16 / fp32 {med['bfloat16'] / med['float32']:4.2f}  (" + ", ".join(
+            f"{dt} min / median {min(v) * 1e3:.2f} / {med[dt] * 1e3:.2f} ms" for dt, v in ts.items())
+            + ")", flush=True)
 
 
 def bench_prefill_attention(fl: Floors, nh: int, nkv: int, D: int, spans: list[tuple[int, int]]) -> None:
@@ -271,7 +297,7 @@ def main() -> None:
 
     if args.steps_only:
         print("\nthe decode step (forward + logits of every request)")
-        bench_steps(fl, path, "bfloat16", rows, args.ctx)
+        bench_steps(fl, prefilled(path, "bfloat16", max(rows), args.ctx), "bfloat16", rows, args.ctx)
         return
     ours = Ours(path, "bfloat16", 1, 16)
     shapes, cfg = linear_shapes(ours.model), ours.cfg
@@ -285,9 +311,11 @@ def main() -> None:
     spans = [(256, 256), (1024, 1024)] if args.quick else [(256, 256), (1024, 1024), (512, 1024), (2048, 2048)]
     bench_prefill_attention(fl, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, spans)
     print("\nthe decode step (forward + logits of every request)")
-    steps = {dt: bench_steps(fl, path, dt, rows, args.ctx) for dt in ("bfloat16", "float32")}
-    print("  bf16 / fp32 step time: " + "  ".join(
-        f"{R}: {steps['bfloat16'][R] / steps['float32'][R]:4.2f}" for R in rows))
+    models = {dt: prefilled(path, dt, max(rows), args.ctx) for dt in ("bfloat16", "float32")}
+    for dt, ours in models.items():
+        bench_steps(fl, ours, dt, rows, args.ctx)
+    print("\nbf16 against fp32 decode steps, taken in turn (median of 8 each; below 1: bf16 faster)")
+    bench_dtypes_interleaved(models, rows, args.ctx)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@
 //          lanes / rows (4-7x the lanes kernel at 16-64 rows on Sapphire Rapids)
 //   panel  prefill (large M): widen NC output channels at a time into an fp32 scratch panel (in
 //          parallel) and hand it to torch's fp32 GEMM (MKL / oneDNN), so prefill runs at the fp32
-//          matmul rate without a second fp32 copy of the weights.
+//          matmul rate without a second fp32 copy of the weights; up to 128 rows (large decode
+//          batches) each thread widens into its own L2-sized panel and multiplies it alone.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/mm.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -124,9 +126,11 @@ void rows_path(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int6
   else rows_tiled<F, MB, NB>(f, x, ldx, M, N, K, o);
 }
 
-// prefill: widen NC channels at a time into an fp32 panel, fp32 GEMM into y32 [M, N] (strided)
+// Panel path: weights widened to fp32 into a scratch panel, then torch's fp32 GEMM (MKL's).
+// Prefill (more than PANEL_OWN_MAX_M rows): the threads widen NC channels at a time into one
+// shared panel, then one multithreaded GEMM on it.
 template <class F>
-void panel_path(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tensor& y32) {
+void panel_shared(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tensor& y32) {
   const int64_t nc = std::min<int64_t>(N, std::max<int64_t>(64, ((int64_t(1) << 19) / K) / 16 * 16));
   at::Tensor panel = at::empty({nc, K}, xf.options());
   float* p = panel.data_ptr<float>();
@@ -138,6 +142,46 @@ void panel_path(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tens
     at::Tensor out = y32.narrow(1, n0, rows);
     at::mm_out(out, xf, panel.narrow(0, 0, rows).t());
   }
+}
+
+// Decode-sized M (49-128 rows on AVX2 builds): each thread widens its own blocks of channels into
+// its own L2-sized panel (PANEL_OWN_BYTES) and runs a single-threaded GEMM on it (torch's GEMM
+// called inside a parallel region runs on the calling thread; the worker threads take the caller's
+// inference mode, without which they refuse to write its tensors). The shared 2 MiB panel of prefill lives in
+// L3, and on a 2-core Zen 3 VM its widening and GEMM slowed by 2.8x and 1.4x for minutes at a time
+// (a neighbour's use of the shared L3, I assume): the LM head at 64 rows read 136-150 or 212-258
+// ms. Min / median ms of 5 interleaved, shared vs own panels: LM head 248320 x 512 at 49 rows
+// 116.1 / 122.9 vs 96.7 / 111.5, 64 rows 138.3 / 139.1 vs 113.5 / 116.6, 128 rows 226.0 / 235.3 vs
+// 202.7 / 209.1; 4096 x 512 at 64 rows 2.30 / 2.39 vs 1.96 / 2.24; 512 x 2048 1.13 / 1.19 vs 1.09 /
+// 1.12. From 192 rows the shared panel won on some shapes (1544 x 512: 1.98 vs 2.17 ms; at 1024 rows
+// 10.1 vs 12.8), lost on others.
+constexpr int64_t PANEL_OWN_MAX_M = 128;
+constexpr int64_t PANEL_OWN_BYTES = int64_t(256) << 10;
+
+template <class F>
+void panel_own(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tensor& y32) {
+  const int64_t nt = at::get_num_threads();
+  const int64_t nc_max = std::max<int64_t>(16, PANEL_OWN_BYTES / (4 * K) / 16 * 16);
+  const int64_t nblocks = ((N + nc_max - 1) / nc_max + nt - 1) / nt * nt;   // as many per thread
+  const int64_t nc = (N + nblocks - 1) / nblocks;
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    c10::InferenceMode mode(inference);    // worker threads do not inherit the caller's
+    at::Tensor panel = at::empty({nc, K}, xf.options());
+    float* p = panel.data_ptr<float>();
+    for (int64_t b = b0; b < b1 && b * nc < N; ++b) {
+      const int64_t n0 = b * nc, rows = std::min(nc, N - n0);
+      for (int64_t r = 0; r < rows; ++r) f.widen(n0 + r, p + r * K, K);
+      at::Tensor out = y32.narrow(1, n0, rows);
+      at::mm_out(out, xf, panel.narrow(0, 0, rows).t());
+    }
+  });
+}
+
+template <class F>
+void panel_path(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tensor& y32) {
+  if (xf.size(0) <= PANEL_OWN_MAX_M) panel_own(f, xf, N, K, y32);
+  else panel_shared(f, xf, N, K, y32);
 }
 
 // ---- argument handling ------------------------------------------------------------------------
