@@ -163,7 +163,7 @@ void panel_own(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Tenso
   const int64_t nt = at::get_num_threads();
   const int64_t nc_max = std::max<int64_t>(16, PANEL_OWN_BYTES / (4 * K) / 16 * 16);
   const int64_t nblocks = ((N + nc_max - 1) / nc_max + nt - 1) / nt * nt;   // as many per thread
-  const int64_t nc = (N + nblocks - 1) / nblocks;
+  const int64_t nc = ((N + nblocks - 1) / nblocks + 15) / 16 * 16;   // whole vectors for the GEMM
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     c10::InferenceMode mode(inference);    // worker threads do not inherit the caller's
