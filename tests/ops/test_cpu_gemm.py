@@ -146,7 +146,8 @@ def test_two_to_four_rows_in_address_order_over_any_weight_where_set(mod, x_dtyp
 
 def test_five_to_48_rows_in_groups_of_four_where_four_rows_stream(mod):
     """Bf16 weights widened in registers where gemv_rows takes 4 rows (AVX2 Zen 3s: the LM head)
-    take 5 to 48 rows in groups of 4 (gemm_gemv.h), the last 1-3 rows a group of their own: exact
+    take 5 to 48 rows in groups of 4 (gemm_gemv.h), the last 1-3 rows a group of their own, the
+    groups after a block's first 2 channels at a time (gemv_rows_pair; 13 and 48 rows): exact
     against the reference at every remainder, with a partial block of 8 channels, a K tail, a
     strided x, a bias and bf16 outputs the fp32 ones rounded."""
     kept, kept_widened = mod.gemv_rows(), mod.gemv_rows_widened()

@@ -136,7 +136,7 @@ struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::bool
 
 // gemv_rows: M rows in groups of 4 (the last 1-3 rows a group of their own; 2-4 rows are one
 // group), each block of 8 channels through every group before the next: the block's weights come
-// from memory once, then from L1. Beyond 4 rows (up to GEMV_ROW_GROUPS_MAX) only for bf16 weights
+// from memory once, then from L1 (those later groups 2 channels at a time: gemv_rows_pair). Beyond 4 rows (up to GEMV_ROW_GROUPS_MAX) only for bf16 weights
 // widened in registers where widened_max_m is 4 (AVX2 Zen 3s: gemv_rows_pays), in place of the
 // 4 x 2 tiles (2 channels read side by side, each 4 x 2 outputs reduced on their own). On 2 Zen 3 cores, the LM head 248320 x 512, min / median ms of 12
 // interleaved, tiles vs groups: 13 rows 31.20 / 31.78 vs 28.26 / 28.63, 16 rows 36.66 / 37.26 vs
@@ -198,13 +198,58 @@ inline void gemv_rows_channel(const F& f, const typename F::XT* x, int64_t ldx, 
   }
 }
 
+// 4 rows x 2 channels side by side, each x vector loaded once for both channels: 10 loads for 16
+// FMAs a step, where one channel at a time (gemv_rows_channel) issues 9 for 8. Two streams side
+// by side are what the prefetchers follow worse, so only for the groups after a block's first,
+// whose weights come from L1 (gemv_rows). On 2 Zen 3 cores, the LM head min ms of 8 interleaved,
+// cold / in cache: 8 rows 17.8 / 14.1 -> 17.3 / 13.0, 16 rows 31.3 / 29.7 -> 28.7 / 26.0, 32 rows
+// 62.6 / 60.7 -> 53.5 / 53.5 (pairs in the first group too: 4 rows cold 10.5 -> 14.8); decode
+// steps, median of 16 interleaved: 16 requests 48.4 -> 44.1 and 48.4 -> 45.7 ms, 32 requests
+// 98.7 -> 81.8, 8 requests 28.8 -> 28.2
+template <class F>
+inline void gemv_rows_pair_step(const F& f, const typename F::XT* x, int64_t ldx, int64_t n, int64_t k,
+                                VF (*a)[2]) {
+  typename F::WV w0[F::NV], w1[F::NV];
+  f.load(n, k, w0);
+  f.load(n + 1, k, w1);
+  for (int v = 0; v < F::NV; ++v)
+    for (int i = 0; i < 4; ++i) {
+      typename F::XV xv = F::loadx(x + i * ldx + k + v * F::XLANES);
+      vpin(xv);
+      a[i][0] = F::fma(a[i][0], w0[v], xv);
+      a[i][1] = F::fma(a[i][1], w1[v], xv);
+    }
+}
+
+template <class F>
+inline void gemv_rows_pair(const F& f, const typename F::XT* x, int64_t ldx, int64_t n, int64_t kv, VF* acc0,
+                           VF* acc1) {
+  constexpr int64_t S = F::STEP;
+  VF a[4][2];
+  for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = vzero();
+  int64_t k = 0;
+  for (; k + 2 * S <= kv; k += 2 * S) {
+    gemv_rows_pair_step(f, x, ldx, n, k, a);
+    gemv_rows_pair_step(f, x, ldx, n, k + S, a);
+  }
+  for (; k < kv; k += S) gemv_rows_pair_step(f, x, ldx, n, k, a);
+  for (int i = 0; i < 4; ++i) {
+    acc0[i] = a[i][0];
+    acc1[i] = a[i][1];
+  }
+}
+
 // a row's TN = 8 sums in one transposing reduction (vsum_8), as the one-row GEMV does (summed one
 // vector at a time: the LM head at 4 rows 4.2 -> 3.9 ms on 2 Zen 5 cores reading ~80 GB/s)
-template <class F, int TM, int TN>
+template <class F, int TM, int TN, bool PAIRS = false>
 inline void gemv_rows_block(const F& f, const typename F::XT* x, int64_t ldx, int64_t n0, int64_t K, int64_t kv,
                             const Out& o) {
   VF acc[TN][TM], row[TN];
-  for (int j = 0; j < TN; ++j) gemv_rows_channel<F, TM>(f, x, ldx, n0 + j, kv, acc[j]);
+  if constexpr (PAIRS && TM == 4 && TN % 2 == 0) {
+    for (int j = 0; j < TN; j += 2) gemv_rows_pair<F>(f, x, ldx, n0 + j, kv, acc[j], acc[j + 1]);
+  } else {
+    for (int j = 0; j < TN; ++j) gemv_rows_channel<F, TM>(f, x, ldx, n0 + j, kv, acc[j]);
+  }
   float sums[TM * TN];
   for (int i = 0; i < TM; ++i) {
     for (int j = 0; j < TN; ++j) row[j] = acc[j][i];
@@ -214,11 +259,11 @@ inline void gemv_rows_block(const F& f, const typename F::XT* x, int64_t ldx, in
   store_sums<F, TM, TN>(f, sums, x, ldx, 0, n0, K, kv, o);
 }
 
-template <class F, int TM, int TN>
+template <class F, int TM, int TN, bool PAIRS = false>
 inline void gemv_rows_at(const F& f, const typename F::XT* x, int64_t ldx, int64_t m0, int64_t n0, int64_t K,
                          int64_t kv, const Out& o) {
   const Out om{o.yf ? o.yf + m0 * o.ldy : nullptr, o.yb ? o.yb + m0 * o.ldy : nullptr, o.ldy, o.bias};
-  gemv_rows_block<F, TM, TN>(f, x + m0 * ldx, ldx, n0, K, kv, om);
+  gemv_rows_block<F, TM, TN, PAIRS>(f, x + m0 * ldx, ldx, n0, K, kv, om);
 }
 
 template <class F>
@@ -227,7 +272,8 @@ void gemv_rows(const F& f, const typename F::XT* x, int64_t ldx, int64_t M, int6
   const int64_t kv = f.vector_k(K), whole = M - M % 4;
   for_channel_blocks<8>(N, K, [&](int64_t n0, auto tn) {
     constexpr int TN = decltype(tn)::value;
-    for (int64_t m0 = 0; m0 < whole; m0 += 4) gemv_rows_at<F, 4, TN>(f, x, ldx, m0, n0, K, kv, o);
+    if (whole > 0) gemv_rows_at<F, 4, TN>(f, x, ldx, 0, n0, K, kv, o);   // the block from memory
+    for (int64_t m0 = 4; m0 < whole; m0 += 4) gemv_rows_at<F, 4, TN, true>(f, x, ldx, m0, n0, K, kv, o);
     if (M % 4 == 3) gemv_rows_at<F, 3, TN>(f, x, ldx, whole, n0, K, kv, o);
     else if (M % 4 == 2) gemv_rows_at<F, 2, TN>(f, x, ldx, whole, n0, K, kv, o);
     else if (M % 4 == 1) gemv_rows_at<F, 1, TN>(f, x, ldx, whole, n0, K, kv, o);
