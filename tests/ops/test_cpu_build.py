@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from backboard.ops.cpu import build
+import pytest
+
+from backboard.ops.cpu import build, decode_ops, gemm
+
+SOURCES = gemm.SOURCES + decode_ops.SOURCES
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
@@ -46,3 +53,24 @@ def test_two_checkouts_build_from_one_staged_copy(tmp_path, monkeypatch):
     (tmp_path / "b" / "k.h").write_text("// v2\n")
     other = build._staged_sources((str(tmp_path / "b" / "k.cpp"),), "d2")
     assert other != staged[0] and (tmp_path / "ext" / "backboard_src" / "d2" / "k.h").read_text() == "// v2\n"
+
+
+@pytest.mark.parametrize("isa", list(build.ISA_LEVELS))
+def test_every_levels_kernels_compile_whatever_this_cpu_runs(isa):
+    """The machines differ (AVX2 only, AVX512-BF16, AMX) and each builds only the levels it runs:
+    every level's kernels must still compile here, templates instantiated (g++ -fsyntax-only with
+    that level's flags and torch's headers). A gemv_rows change that compiled for AVX2 broke the
+    AVX512-BF16 and AMX builds this way (their Bf16Dp activations are raw __m512i vectors)."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+
+    def compile_(source: str) -> subprocess.CompletedProcess:
+        cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=bb_syntax_check",
+               *build.kernel_cflags(isa), *includes, str(build.SRC_DIR / source)]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(SOURCES, pool.map(compile_, SOURCES)))
+    for source, r in results.items():
+        assert r.returncode == 0, f"{source} for {isa}:\n{r.stderr[-4000:]}"

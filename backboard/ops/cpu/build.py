@@ -161,13 +161,16 @@ def _report_build_failure(family: str, isa: str, e: Exception) -> None:
     _build_failed = True
 
 
+def kernel_cflags(isa: str) -> list[str]:
+    """The compiler flags of one ISA level's kernels."""
+    return ["-O3", "-fopenmp", f"-DBB_ISA_{isa.upper()}", *ISA_LEVELS[isa][1]]
+
+
 def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     _remove_stale_locks(family, isa)
-    _, mflags = ISA_LEVELS[isa]
-    macro = f"-DBB_ISA_{isa.upper()}"
-    cflags = ["-O3", "-fopenmp", macro, *mflags]       # the C++ standard: cpp_extension's (torch's)
+    cflags = kernel_cflags(isa)            # the C++ standard: cpp_extension's (torch's)
     # the hash of the sources, this folder's headers and the flags is in the name: an edited
     # kernel or header never loads a stale build
     inputs = [Path(p).read_bytes() for p in paths]

@@ -46,8 +46,11 @@ inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 inline VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
-// keep v in a register where it is used several times (GCC otherwise folds a reload into each use)
+// keep v (a VF or a raw vector: Bf16Dp's __m512i) in a register where it is used several times
+// (GCC otherwise folds a reload into each use)
 inline void vpin(VF& v) { asm volatile("" : "+v"(v.v)); }
+template <class T>
+inline void vpin(T& v) { asm volatile("" : "+v"(v)); }
 inline float vsum(VF a) { return _mm512_reduce_add_ps(a.v); }
 // 16 bf16 -> fp32 (a bf16 is the top half of an fp32)
 inline VF vload_bf16(const uint16_t* p) {
@@ -106,6 +109,8 @@ inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline void vpin(VF& v) { asm volatile("" : "+x"(v.v)); }
+template <class T>
+inline void vpin(T& v) { asm volatile("" : "+x"(v)); }
 inline float vsum(VF a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -154,7 +159,8 @@ inline void vstore(float* p, VF a) { for (int i = 0; i < VW; ++i) p[i] = a.v[i];
 inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
 inline VF vmul(VF a, VF b) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
 inline VF vadd(VF a, VF b) { VF r; for (int i = 0; i < VW; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
-inline void vpin(VF&) {}
+template <class T>
+inline void vpin(T&) {}
 inline float vsum(VF a) { float s = 0.f; for (int i = 0; i < VW; ++i) s += a.v[i]; return s; }
 inline void vsum_vw(const VF* v, float* out) { for (int i = 0; i < VW; ++i) out[i] = vsum(v[i]); }
 inline void vsum_8(const VF* v, float* out) { for (int i = 0; i < 8; ++i) out[i] = vsum(v[i]); }
