@@ -5,7 +5,6 @@ multiple of the vector width (the scalar tail)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import subprocess
@@ -63,27 +62,6 @@ def test_bf16_weights_match_fp32_reference(mod, M, x_dtype, panel):
     y16 = mod.linear_bf16(x, w, b.bfloat16(), False, panel)
     assert y16.dtype == torch.bfloat16
     torch.testing.assert_close(y16, (ref + b.bfloat16().float()).bfloat16(), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_panel_path_in_each_threads_own_panels_to_128_rows_then_shared(mod, threads):
-    """The panel path up to 128 rows splits the channels into as many blocks per thread, each
-    widened into that thread's own panel (gemm.cpp's panel_own), from 129 rows into one shared panel:
-    every output channel written once and right at both sides of 128, with fewer channels than
-    threads, blocks that do not divide N, and K long enough that a block is the 16-channel minimum;
-    under inference mode too, as the engine runs (its worker threads do not inherit the mode)."""
-    kept = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for (M, N, K), inference in itertools.product(
-                ((49, 1, 100), (128, 2, 33), (128, 1547, 111), (129, 1547, 111), (64, 67, 8200), (200, 5, 64)),
-                (False, True)):
-            x, w, b = torch.randn(M, K), torch.randn(N, K).bfloat16(), torch.randn(N)
-            with torch.inference_mode(inference):
-                y = mod.linear_bf16(x, w, b, True, True)     # fp32 sums of up to 8200 terms: rtol 1e-4
-            torch.testing.assert_close(y, _ref_bf16(x, w) + b, rtol=1e-4, atol=1e-3, msg=f"M={M} N={N} K={K}")
-    finally:
-        torch.set_num_threads(kept)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])

@@ -144,17 +144,18 @@ void panel_shared(const F& f, const at::Tensor& xf, int64_t N, int64_t K, at::Te
   }
 }
 
-// Decode-sized M (49-128 rows on AVX2 builds): each thread widens its own blocks of channels into
-// its own L2-sized panel (PANEL_OWN_BYTES) and runs a single-threaded GEMM on it (torch's GEMM
-// called inside a parallel region runs on the calling thread; the worker threads take the caller's
-// inference mode, without which they refuse to write its tensors). The shared 2 MiB panel of prefill lives in
-// L3, and on a 2-core Zen 3 VM its widening and GEMM slowed by 2.8x and 1.4x for minutes at a time
-// (a neighbour's use of the shared L3, I assume): the LM head at 64 rows read 136-150 or 212-258
-// ms. Min / median ms of 5 interleaved, shared vs own panels: LM head 248320 x 512 at 49 rows
-// 116.1 / 122.9 vs 96.7 / 111.5, 64 rows 138.3 / 139.1 vs 113.5 / 116.6, 128 rows 226.0 / 235.3 vs
-// 202.7 / 209.1; 4096 x 512 at 64 rows 2.30 / 2.39 vs 1.96 / 2.24; 512 x 2048 1.13 / 1.19 vs 1.09 /
-// 1.12. From 192 rows the shared panel won on some shapes (1544 x 512: 1.98 vs 2.17 ms; at 1024 rows
-// 10.1 vs 12.8), lost on others.
+// Decode-sized M (up to PANEL_OWN_MAX_M rows; the panel path starts at 49 on AVX2 builds): each
+// thread widens its own blocks of channels into its own L2-sized panel (PANEL_OWN_BYTES) and runs a
+// single-threaded GEMM on it (torch's GEMM called inside a parallel region runs on the calling
+// thread; the worker threads take the caller's inference mode, without which they refuse to write
+// its tensors). The shared 2 MiB panel of prefill lives in L3, and on a 2-core Zen 3 VM its
+// widening and GEMM slowed by 2.8x and 1.4x for minutes at a time (a neighbour's use of the shared
+// L3, I assume): the LM head at 64 rows read 136-150 or 212-258 ms. Min / median ms of 5
+// interleaved, shared vs own panels: LM head 248320 x 512 at 49 rows 116.1 / 122.9 vs 96.7 / 111.5,
+// 64 rows 138.3 / 139.1 vs 113.5 / 116.6, 128 rows 226.0 / 235.3 vs 202.7 / 209.1; 4096 x 512 at 64
+// rows 2.30 / 2.39 vs 1.96 / 2.24; 512 x 2048 1.13 / 1.19 vs 1.09 / 1.12. From 192 rows the shared
+// panel won on some shapes (1544 x 512: 1.98 vs 2.17 ms; at 1024 rows 10.1 vs 12.8), lost on
+// others.
 constexpr int64_t PANEL_OWN_MAX_M = 128;
 constexpr int64_t PANEL_OWN_BYTES = int64_t(256) << 10;
 

@@ -73,10 +73,10 @@ def _loaded(isa: str):
 # AVX2 and are AMD family 25 (Zen 3; a Zen 4 of that family runs avx512_bf16, and its avx2 build
 # lost 25-44% there). Decode steps of the benchmark checkpoint on 2 Zen 3 cores, interleaved A/B,
 # median ms, tiles vs this: 2 rows 18.40 -> 15.92 and 19.94 -> 17.17, 3 rows 20.45 -> 18.55 (and
-# 2-4 rows over every weight was then no better than the LM head alone: GEMV_ROWS_ZEN3). 4 rows lost (21.65 -> 23.53)
-# until gemv_rows kept 2 steps of K in flight there instead of 4 (gemm_gemv.h: 4 rows x 4 steps
-# spilled AVX2's 16 registers); since, tiles vs this at 4 rows, min / median of 10-12 interleaved
-# steps: 17.23 / 20.74 -> 16.71 / 19.10 and 21.09 / 22.24 -> 19.32 / 20.46 ms.
+# 2-4 rows over every weight was then no better than the LM head alone: GEMV_ROWS_ZEN3). 4 rows
+# lost (21.65 -> 23.53) until gemv_rows kept 2 steps of K in flight there instead of 4
+# (gemm_gemv.h: 4 rows x 4 steps spilled AVX2's 16 registers); since, tiles vs this at 4 rows,
+# min / median of 10-12 interleaved steps: 17.23 / 20.74 -> 16.71 / 19.10 and 21.09 / 22.24 -> 19.32 / 20.46 ms.
 WIDENED_GEMV_ROWS, ZEN3 = 4, ("AuthenticAMD", 25)
 # ... and over every weight with K <= 1024, not only LM head-sized ones (max rows for the formats
 # that opt in at any width, min weight elements, max K): layer-sized bf16 weights on 2 Zen 3 cores,

@@ -136,13 +136,14 @@ struct widened_two_row<F, std::void_t<decltype(F::WIDENED_TWO_ROW)>> : std::bool
 
 // gemv_rows: M rows in groups of 4 (the last 1-3 rows a group of their own; 2-4 rows are one
 // group), each block of 8 channels through every group before the next: the block's weights come
-// from memory once, then from L1 (those later groups 2 channels at a time: gemv_rows_pair). Beyond 4 rows (up to GEMV_ROW_GROUPS_MAX) only for bf16 weights
-// widened in registers where widened_max_m is 4 (AVX2 Zen 3s: gemv_rows_pays), in place of the
-// 4 x 2 tiles (2 channels read side by side, each 4 x 2 outputs reduced on their own). On 2 Zen 3 cores, the LM head 248320 x 512, min / median ms of 12
-// interleaved, tiles vs groups: 13 rows 31.20 / 31.78 vs 28.26 / 28.63, 16 rows 36.66 / 37.26 vs
-// 33.34 / 34.98, 32 rows 72.33 / 73.22 vs 66.11 / 67.62, 48 rows 107.2 / 112.1 vs 96.9 / 99.4;
-// the benchmark checkpoint's 16-request decode step 53.00 / 54.24 -> 50.04 / 51.13 and 52.67 /
-// 54.35 -> 49.18 / 50.78 (8 and 12 requests within 1-3%)
+// from memory once, then from L1 (those later groups 2 channels at a time: gemv_rows_pair). Beyond
+// 4 rows (up to GEMV_ROW_GROUPS_MAX) only for bf16 weights widened in registers where widened_max_m
+// is 4 (AVX2 Zen 3s: gemv_rows_pays), in place of the 4 x 2 tiles (2 channels read side by side,
+// each 4 x 2 outputs reduced on their own). On 2 Zen 3 cores, the LM head 248320 x 512, min /
+// median ms of 12 interleaved, tiles vs groups: 13 rows 31.20 / 31.78 vs 28.26 / 28.63, 16 rows
+// 36.66 / 37.26 vs 33.34 / 34.98, 32 rows 72.33 / 73.22 vs 66.11 / 67.62, 48 rows 107.2 / 112.1 vs
+// 96.9 / 99.4; the benchmark checkpoint's 16-request decode step 53.00 / 54.24 -> 50.04 / 51.13 and
+// 52.67 / 54.35 -> 49.18 / 50.78 (8 and 12 requests within 1-3%)
 constexpr int64_t GEMV_ROW_GROUPS_MAX = 48;
 
 template <class F>
