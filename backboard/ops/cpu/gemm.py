@@ -76,7 +76,8 @@ def _loaded(isa: str):
 # 2-4 rows over every weight was then no better than the LM head alone: GEMV_ROWS_ZEN3). 4 rows
 # lost (21.65 -> 23.53) until gemv_rows kept 2 steps of K in flight there instead of 4
 # (gemm_gemv.h: 4 rows x 4 steps spilled AVX2's 16 registers); since, tiles vs this at 4 rows,
-# min / median of 10-12 interleaved steps: 17.23 / 20.74 -> 16.71 / 19.10 and 21.09 / 22.24 -> 19.32 / 20.46 ms.
+# min / median of 10-12 interleaved steps: 17.23 / 20.74 -> 16.71 / 19.10 and 21.09 / 22.24 ->
+# 19.32 / 20.46 ms.
 WIDENED_GEMV_ROWS, ZEN3 = 4, ("AuthenticAMD", 25)
 # ... and over every weight with K <= 1024, not only LM head-sized ones (max rows for the formats
 # that opt in at any width, min weight elements, max K): layer-sized bf16 weights on 2 Zen 3 cores,

@@ -135,7 +135,7 @@ inline void vload_bf16x2(const uint16_t* p, VF& even, VF& odd) {
   // 4-row gemv_rows iteration instead of 18, for 16 FMAs; on 2 Zen 3 cores the LM head at 4 rows
   // in cache 7.87 -> 7.21 ms, 16 rows 31.5 -> 29.2; 4- and 16-request steps 3-5% faster)
   __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  asm volatile("" : "+x"(r));
+  vpin(r);
   even.v = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
   odd.v = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
