@@ -137,6 +137,7 @@ def linear_shapes(model) -> list[tuple[str, int, int]]:
 def bench_linear(fl: Floors, name: str, N: int, K: int, rows: list[int], prefill: list[int]) -> None:
     w = torch.randn(N, K).bfloat16()
     wf = w.float()
+    gemm.pack_widened([w], dispatch.available_memory())    # as the engine does (its decode rows' copy)
     for M in rows + prefill:
         x = torch.randn(M, K).bfloat16()
         flops = 2 * M * N * K
@@ -286,7 +287,8 @@ def main() -> None:
     mod = gemm.module()
     print(f"CPU ISA {build.cpu_isa()}; kernels: {mod.isa() if mod else 'NOT BUILT (torch references)'}; "
           f"threads {torch.get_num_threads()}; bf16 rows path up to M={gemm.POLICY[build.cpu_isa()][0]}"
-          f"{f' (AMX tiles from 4 to {gemm.AMX_ROWS_MAX} rows)' if mod and mod.amx() else ''}; "
+          f"{f' (AMX tiles from 4 to {gemm.AMX_ROWS_MAX} rows)' if mod and mod.amx() else ''}"
+          f"{f' (K-interleaved copies to {gemm.PACKED_MAX_M} rows)' if gemm.packed_copies(mod) else ''}; "
           f"clock: {args.clock}")
     fl = Floors()
     print(fl, flush=True)

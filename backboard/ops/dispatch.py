@@ -259,15 +259,23 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
                     gemm.isa() if gemm else "torch", ops.isa() if ops else "torch")
 
 
-def warm_cpu_gemm(device: torch.device, weights: list[torch.Tensor], max_rows: int) -> None:
-    """Where the CPU GEMM's native path runs (ops/cpu/gemm.py): keep these bf16 weights [N, K]
-    packed in oneDNN's layout too where the copies fit the memory left (pack_native), and have
-    oneDNN compile its bf16 matmul for their shapes at the row counts the path gives it up to
-    max_rows (else a served prompt of a new length pays ~1 ms per shape, 5-7 ms with AMX)."""
+def warm_cpu_gemm(device: torch.device, weights: list[torch.Tensor], max_rows: int,
+                  lm_head: torch.Tensor | None = None) -> None:
+    """Ready the CPU GEMM (ops/cpu/gemm.py) for the model's bf16 Linear weights [N, K]. Where bf16
+    is widened in registers: a K-interleaved copy of each, and of the LM head's weight, for decode's
+    rows (pack_widened). Where the native path runs: a copy of each in oneDNN's layout
+    (pack_native; not the LM head's, whose rows are few), and oneDNN's bf16 matmul compiled for
+    their shapes at the row counts the path gives it up to max_rows (else a served prompt of a new
+    length pays ~1 ms per shape, 5-7 ms with AMX). Copies only where they fit the memory left."""
     if not _cpu_kernels_on(device) or not weights:
         return
     mod = cpu_gemm.module()
-    if mod is None or not cpu_gemm.native_row_counts(max_rows, mod):
+    if mod is None:
+        return
+    decode = weights + ([lm_head] if lm_head is not None else [])
+    if packed := cpu_gemm.pack_widened(decode, available_memory(), mod=mod):
+        logger.info("bf16 weights K-interleaved for decode too (%.0f MiB more)", packed / 2**20)
+    if not cpu_gemm.native_row_counts(max_rows, mod):
         return
     t0 = time.monotonic()
     packed = cpu_gemm.pack_native(weights, available_memory(), mod=mod)

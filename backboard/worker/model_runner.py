@@ -60,7 +60,8 @@ class ModelRunner:
                       and tp_size() == 1)
         self._allocate_caches(proposer, use_graphs)
         # after the caches: the packed weight copies take only what memory they leave
-        dispatch.warm_cpu_gemm(self.device, bf16_linear_weights(self.model), sc.max_num_batched_tokens)
+        lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
+        dispatch.warm_cpu_gemm(self.device, bf16_linear_weights(self.model), sc.max_num_batched_tokens, lm_head)
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)

@@ -64,10 +64,22 @@ def _decode(d: FlatBatchDriver, prompts: list[list[int]], steps: int, mode: str 
     return out, [t.clone() for t in caches if t is not None]
 
 
+def _packed(d: FlatBatchDriver, isa: str, monkeypatch) -> FlatBatchDriver:
+    """d's Linear and LM head weights with their K-interleaved copies, as the runner makes them
+    where the level widens bf16 (here on any level)."""
+    from backboard.layers.linear import bf16_linear_weights
+    monkeypatch.setattr(gemm, "PACKED_ISAS", (isa,))
+    weights = bf16_linear_weights(d.model) + [d.model.lm_head.weight]
+    assert gemm.pack_widened(weights, 1 << 40, mod=gemm.module(isa)) > 0
+    return d
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("num_reqs", [1, 3])
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama", "qwen3"])    # gated + GDN; plain (SmolLM2); q / k norm
-def test_flat_decode_matches_the_module_path_bit_for_bit(tiny_models, monkeypatch, loop_runs, isa, num_reqs, arch):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "k_packed"])
+def test_flat_decode_matches_the_module_path_bit_for_bit(tiny_models, monkeypatch, loop_runs, isa, num_reqs, arch,
+                                                         packed):
     path = tiny_models(arch)
     built(isa)
     monkeypatch.setenv("BACKBOARD_CPU_ISA", isa)
@@ -75,9 +87,12 @@ def test_flat_decode_matches_the_module_path_bit_for_bit(tiny_models, monkeypatc
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 14, 21)[:num_reqs]]
     biases = arch != "llama"
-    ref, ref_states = _decode(_driver(path, flat=False, biases=biases), prompts, 4, join=1)
+    ref_d, got_d = _driver(path, flat=False, biases=biases), _driver(path, biases=biases)
+    if packed:
+        ref_d, got_d = _packed(ref_d, isa, monkeypatch), _packed(got_d, isa, monkeypatch)
+    ref, ref_states = _decode(ref_d, prompts, 4, join=1)
     assert loop_runs == []
-    got, states = _decode(_driver(path, biases=biases), prompts, 4, join=1)
+    got, states = _decode(got_d, prompts, 4, join=1)
     assert loop_runs == [num_reqs] + [num_reqs + 1] * 3     # every decode step, never the prefill
     for r, g in zip(ref, got):
         assert torch.equal(r, g), float((r - g).abs().max())
@@ -133,6 +148,9 @@ def test_decode_linear_is_linear_bf16_at_every_row_count(isa):
     torch.manual_seed(0)
     w = torch.randn(256, 2048).bfloat16()       # long rows: the panel's rounding differs in a few outputs
     rows_max = gemm._rows_max(mod, False, True)
+    wp = torch.randn(300, 256).bfloat16()
+    setattr(wp, gemm.K_PACKED_ATTR, mod.pack_bf16(wp))   # the K-interleaved copy: taken up to PACKED_MAX_M
     for M in sorted({1, 2, 3, 4, 5, 7, rows_max, rows_max + 1, rows_max + 9}):
         x = torch.randn(M, 2048).bfloat16()
         assert torch.equal(gemm.decode_linear(M, mod)(x, w), gemm.linear_bf16(x, w, mod=mod)), M
+        assert torch.equal(gemm.decode_linear(M, mod)(x[:, :256], wp), gemm.linear_bf16(x[:, :256], wp, mod=mod)), M

@@ -2,10 +2,12 @@
 // backboard/ops/quant.py), widened in registers and accumulated in fp32.
 //
 //   x [M, K] fp32 or bf16 (rows may be strided, elements contiguous)
-//   W [N, K] as nn.Linear stores it (never repacked: the LM head is tied to the embedding)
+//   W [N, K] as nn.Linear stores it (the LM head may be tied to the embedding), or for decode's
+//        rows where bf16 is widened in registers its K-interleaved copy (pack_bf16,
+//        linear_bf16_packed: gemm_packed.h)
 //   y [M, N] fp32 or bf16
 //
-// Four paths, chosen by the caller (backboard/ops/cpu/gemm.py; lanes and amx inside linear_bf16):
+// Four paths on W, chosen by the caller (backboard/ops/cpu/gemm.py; lanes and amx inside linear_bf16):
 //   rows   decode (small M): each thread owns a range of output channels N; a tile of MB rows of
 //          x by NB channels keeps MB*NB fp32 vector accumulators in registers, so each weight
 //          vector loaded from memory feeds MB FMAs. For M <= MB every weight byte is read once.
@@ -42,6 +44,7 @@
 #include "gemm_formats.h"
 #include "gemm_gemv.h"
 #include "gemm_out.h"
+#include "gemm_packed.h"
 #include "gemm_simd.h"
 #if defined(BB_ISA_AVX512_BF16)
 #include "gemm_lanes.h"
@@ -346,6 +349,35 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return run(f, x, xr, N, K, bias, out_fp32, panel);
 }
 
+// w bf16 [N, K] -> its K-interleaved copy [ceil(N / TN), K, TN] (gemm_packed.h)
+at::Tensor pack_bf16(const at::Tensor& w) {
+  check_w(w, at::kBFloat16, "pack_bf16");
+  const int64_t N = w.size(0), K = w.size(1), T = (N + packed::TN - 1) / packed::TN;
+  at::Tensor p = at::empty({T, K, packed::TN}, w.options());
+  packed::pack(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.stride(0), N, K,
+               reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>()));
+  return p;
+}
+
+// x [M, K] @ W^T (+ bias) on pack_bf16(W) for W's N channels
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& p, int64_t N,
+                              const c10::optional<at::Tensor>& bias, bool out_fp32) {
+  TORCH_CHECK(p.device().is_cpu() && p.dim() == 3 && p.scalar_type() == at::kBFloat16 && p.is_contiguous() &&
+              p.size(2) == packed::TN, "linear_bf16_packed: the weight must be pack_bf16's [T, K, ", packed::TN,
+              "] bf16 tensor, got ", p.scalar_type(), " ", p.sizes());
+  TORCH_CHECK(N > (p.size(0) - 1) * packed::TN && N <= p.size(0) * packed::TN, "linear_bf16_packed: N=", N,
+              " does not fit ", p.size(0), " tiles of ", packed::TN, " channels");
+  const int64_t K = p.size(1), M = x.size(0);
+  check_x(x, K, "linear_bf16_packed");
+  at::Tensor xf = x_fp32(x);
+  at::Tensor y = big::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  at::Tensor b = bias_fp32(bias, N);
+  if (M == 0) return y;
+  packed::run(reinterpret_cast<const uint16_t*>(p.data_ptr<at::BFloat16>()), N, K, xf.data_ptr<float>(),
+              xf.stride(0), M, make_out(y, b));
+  return y;
+}
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool out_fp32, bool panel) {
   check_w(q, at::kChar, "linear_int8");
@@ -426,6 +458,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16", &bb::linear_bf16, "x [M,K] @ bf16 W [N,K]^T (+ bias)", "x"_a, "w"_a,
         "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, "use_lanes"_a = true, "use_amx"_a = true, nogil);
+  m.def("pack_bf16", &bb::pack_bf16, "bf16 W [N,K] -> its K-interleaved copy [ceil(N/TN), K, TN] for linear_bf16_packed",
+        "w"_a, nogil);
+  m.def("linear_bf16_packed", &bb::linear_bf16_packed, "x [M,K] @ W^T (+ bias) on pack_bf16(W) of N channels",
+        "x"_a, "packed"_a, "n"_a, "bias"_a = py::none(), "out_fp32"_a = false, nogil);
   m.def("linear_int8", &bb::linear_int8, "x @ (int8 q [N,K] * scale [N])^T (+ bias)", "x"_a, "q"_a,
         "scale"_a, "bias"_a = py::none(), "out_fp32"_a = true, "panel"_a = false, nogil);
   m.def("linear_int4", &bb::linear_int4, "x @ dequant_int4(packed [N,K/2], scales [N,K/G])^T",
@@ -466,6 +502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the setting set_lanes_channels takes (0 without the lanes kernel)");
   m.attr("VW") = bb::VW;
   m.attr("INT4_STEP") = 2 * bb::VW;
+  m.attr("PACKED_TN") = bb::packed::TN;
   m.attr("MB") = bb::MB;
   m.attr("NB") = bb::NB;
 #if defined(BB_ISA_AMX_BF16)

@@ -17,6 +17,8 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate;
           M padded to whole NATIVE_ROW_BLOCKs (oneDNN compiles a kernel per new M)
+  packed  1 to PACKED_MAX_M rows on a bf16 weight's K-interleaved copy, where the level widens bf16
+          in registers (PACKED_ISAS) and the runner made the copy (pack_widened; gemm_packed.h)
   amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
           (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
           reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
@@ -199,7 +201,10 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     if _widen_x_pays(mod, x2, w):
         x2 = x2.float()
     large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
-    if large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
+    packed = None if large else _k_packed(w, x2.shape[0], mod)
+    if packed is not None:
+        y = mod.linear_bf16_packed(x2, packed, w.shape[0], bias, out_fp32)
+    elif large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
         y = _native(x2, w, bias, native_row_block(mod))
         y = y.float() if out_fp32 else y
     else:
@@ -213,8 +218,45 @@ def decode_linear(M: int, mod):
     rows path, fp32 x never widened: the usual case), else linear_bf16 itself."""
     if M in _fp32_x_rows(mod) or _panel(mod, M, False, True):
         return functools.partial(linear_bf16, mod=mod)
-    kernel = mod.linear_bf16
-    return lambda x, w: kernel(x, w, None, False, False)
+    kernel, packed_kernel = mod.linear_bf16, mod.linear_bf16_packed
+
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        packed = _k_packed(w, M, mod)
+        return kernel(x, w, None, False, False) if packed is None else packed_kernel(x, packed, w.shape[0])
+    return lin
+
+
+# gemm_packed.h: a second, K-interleaved copy of each bf16 weight for 1 to PACKED_MAX_M rows (the
+# decode GEMMs), made at start-up (pack_widened) on the levels that widen bf16 in registers where it
+# was measured. Cold weights on 2 Zen 3 cores (AVX2), min ms of 10 interleaved, the rows path
+# (gemv_rows / tiles) vs the packed copy: LM head 248320 x 512 at 1 row 8.27 vs 8.19, 2 rows 9.25 vs
+# 8.92, 4 rows 12.46 vs 9.29, 8 rows 23.3 vs 18.0, 16 rows 43.1 vs 35.7, 48 rows 89.9 vs 78.0;
+# 4096 x 512 at 4 rows 0.257 vs 0.203, 16 rows 0.839 vs 0.692; 512 x 2048 at 4 rows 0.148 vs 0.106,
+# 16 rows 0.525 vs 0.354; 1544 x 512, 3072 x 512 and 512 x 512 ahead or even at 1-48 rows.
+PACKED_ISAS, PACKED_MAX_M = ("avx2",), 48
+K_PACKED_ATTR = "_bb_k_packed"
+
+
+def _k_packed(w: torch.Tensor, M: int, mod) -> torch.Tensor | None:
+    """w's K-interleaved copy where it has one in this build's tile width and M rows take it."""
+    p = getattr(w, K_PACKED_ATTR, None)
+    return p if p is not None and M <= PACKED_MAX_M and p.shape[2] == mod.PACKED_TN else None
+
+
+def packed_copies(mod=None) -> bool:
+    """Whether decode's rows run on K-interleaved copies here (pack_widened makes them)."""
+    mod = mod or module()
+    return mod is not None and _isa_running(mod) in PACKED_ISAS
+
+
+def pack_widened(weights: list[torch.Tensor], available_bytes: int | None, mod=None) -> int:
+    """Give each bf16 weight [N, K] its K-interleaved copy (an attribute of the tensor, read by
+    linear_bf16 and decode_linear) where this CPU's level is one of PACKED_ISAS and the copies fit
+    PACK_MAX_SHARE of available_bytes. Returns the weights' bytes (0: none, all or nothing)."""
+    mod = mod or module()
+    if not packed_copies(mod):
+        return 0
+    return _pack_all(weights, available_bytes, lambda w: setattr(w, K_PACKED_ATTR, mod.pack_bf16(w.detach())))
 
 
 # oneDNN builds (JIT-compiles) a kernel for every new (M, N, K): with AMX 5-7 ms per weight shape,
@@ -252,7 +294,8 @@ def _native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, block: 
 # that layout (torch.ops.mkldnn._reorder_linear_weight, as inductor's frozen CPU linears use) skips
 # it. The benchmark checkpoint's 32 GEMMs on 2 Zen 5 cores, ms plain vs packed, the same products
 # bit for bit: 272 rows 23.7 vs 18.5, 1040 rows 74.8 vs 70.7, 2048 rows 154 vs 133. It is a second
-# copy of every Linear weight (decode's own kernels read the plain one), so it is made only where
+# copy of every Linear weight (decode's own kernels read the plain one; pack_widened's copies for
+# them are made by the same rule, on other CPUs), so it is made only where
 # the copies take at most PACK_MAX_SHARE of the memory available once the caches are allocated: a
 # model too large for that keeps the per-call reorder.
 PACK_MAX_SHARE = 0.25
@@ -264,14 +307,20 @@ def pack_native(weights: list[torch.Tensor], available_bytes: int | None, mod=No
     _native) where the native path runs and the copies fit PACK_MAX_SHARE of available_bytes.
     Returns the bytes packed (0: none, all or nothing)."""
     mod = mod or module()
-    if mod is None or POLICY[mod.isa()][2] != "native" or available_bytes is None:
+    if mod is None or POLICY[mod.isa()][2] != "native":
         return 0
+    return _pack_all(weights, available_bytes, _pack)
+
+
+def _pack_all(weights: list[torch.Tensor], available_bytes: int | None, pack) -> int:
+    """pack(w) for every distinct bf16 weight [N, K] where their bytes fit PACK_MAX_SHARE of
+    available_bytes (else none); returns those bytes."""
     todo = {id(w): w for w in weights if w.dtype == torch.bfloat16 and w.dim() == 2}
     total = sum(w.numel() * w.element_size() for w in todo.values())
-    if not todo or total > PACK_MAX_SHARE * available_bytes:
+    if not todo or available_bytes is None or total > PACK_MAX_SHARE * available_bytes:
         return 0
     for w in todo.values():
-        _pack(w)
+        pack(w)
     return total
 
 
