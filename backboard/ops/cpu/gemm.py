@@ -17,8 +17,9 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate;
           M padded to whole NATIVE_ROW_BLOCKs (oneDNN compiles a kernel per new M)
-  packed  1 to PACKED_MAX_M rows on a bf16 weight's K-interleaved copy, where the level widens bf16
-          in registers (PACKED_ISAS) and the runner made the copy (pack_widened; gemm_packed.h)
+  packed  1 to PACKED_MAX_M rows (the decode batches, in the rows and panel paths' place) on a bf16
+          weight's K-interleaved copy, where the level widens bf16 in registers (PACKED_ISAS) and
+          the runner made the copy (pack_widened; gemm_packed.h)
   amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
           (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
           reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
@@ -201,7 +202,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     if _widen_x_pays(mod, x2, w):
         x2 = x2.float()
     large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
-    packed = None if large else _k_packed(w, x2.shape[0], mod)
+    packed = _k_packed(w, x2.shape[0], mod)
     if packed is not None:
         y = mod.linear_bf16_packed(x2, packed, w.shape[0], bias, out_fp32)
     elif large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
@@ -214,15 +215,21 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 def decode_linear(M: int, mod):
     """linear_bf16 for a decode step's M bf16 rows on bias-free weights, as fn(x, w)
-    (models/cpu_decode.py): the kernel called directly where linear_bf16 would call it so (the
-    rows path, fp32 x never widened: the usual case), else linear_bf16 itself."""
-    if M in _fp32_x_rows(mod) or _panel(mod, M, False, True):
-        return functools.partial(linear_bf16, mod=mod)
-    kernel, packed_kernel = mod.linear_bf16, mod.linear_bf16_packed
+    (models/cpu_decode.py): a weight's K-interleaved copy where it has one (pack_widened), else the
+    kernel called directly where linear_bf16 would call it so (the rows path, fp32 x never widened),
+    else linear_bf16 itself."""
+    kernel = mod.linear_bf16
+
+    def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kernel(x, w, None, False, False)
+    plain = functools.partial(linear_bf16, mod=mod) if M in _fp32_x_rows(mod) or _panel(mod, M, False, True) else rows
+    if M > PACKED_MAX_M:
+        return plain
+    packed_kernel = mod.linear_bf16_packed
 
     def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         packed = _k_packed(w, M, mod)
-        return kernel(x, w, None, False, False) if packed is None else packed_kernel(x, packed, w.shape[0])
+        return plain(x, w) if packed is None else packed_kernel(x, packed, w.shape[0])
     return lin
 
 
@@ -232,8 +239,13 @@ def decode_linear(M: int, mod):
 # (gemv_rows / tiles) vs the packed copy: LM head 248320 x 512 at 1 row 8.27 vs 8.19, 2 rows 9.25 vs
 # 8.92, 4 rows 12.46 vs 9.29, 8 rows 23.3 vs 18.0, 16 rows 43.1 vs 35.7, 48 rows 89.9 vs 78.0;
 # 4096 x 512 at 4 rows 0.257 vs 0.203, 16 rows 0.839 vs 0.692; 512 x 2048 at 4 rows 0.148 vs 0.106,
-# 16 rows 0.525 vs 0.354; 1544 x 512, 3072 x 512 and 512 x 512 ahead or even at 1-48 rows.
-PACKED_ISAS, PACKED_MAX_M = ("avx2",), 48
+# 16 rows 0.525 vs 0.354; 1544 x 512, 3072 x 512 and 512 x 512 ahead or even at 1-48 rows. From 49
+# rows it takes the panel path's place (which starts there on avx2) up to 128 rows, the decode
+# batches: panel vs copy, LM head at 49 rows 147.9 vs 111.1, 64 rows 138.6 vs 96.8, 128 rows 226.0 vs
+# 192.1; 4096 x 512 at 64 rows 2.39 vs 1.67, 512 x 2048 1.24 vs 0.83. (Prefill stays on the panels:
+# at 256-1024 rows the copy was ahead by 5-20%, within this VM's noise, and its x re-read per tile
+# from L3 grows with M.)
+PACKED_ISAS, PACKED_MAX_M = ("avx2",), 128
 K_PACKED_ATTR = "_bb_k_packed"
 
 
