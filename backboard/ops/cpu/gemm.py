@@ -306,8 +306,8 @@ def _native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, block: 
 # that layout (torch.ops.mkldnn._reorder_linear_weight, as inductor's frozen CPU linears use) skips
 # it. The benchmark checkpoint's 32 GEMMs on 2 Zen 5 cores, ms plain vs packed, the same products
 # bit for bit: 272 rows 23.7 vs 18.5, 1040 rows 74.8 vs 70.7, 2048 rows 154 vs 133. It is a second
-# copy of every Linear weight (decode's own kernels read the plain one; pack_widened's copies for
-# them are made by the same rule, on other CPUs), so it is made only where
+# copy of every Linear weight (decode's own kernels read the plain one there; where bf16 is widened
+# instead, pack_widened makes decode's copies by this same rule), so it is made only where
 # the copies take at most PACK_MAX_SHARE of the memory available once the caches are allocated: a
 # model too large for that keeps the per-call reorder.
 PACK_MAX_SHARE = 0.25
