@@ -458,8 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16", &bb::linear_bf16, "x [M,K] @ bf16 W [N,K]^T (+ bias)", "x"_a, "w"_a,
         "bias"_a = py::none(), "out_fp32"_a = false, "panel"_a = false, "use_lanes"_a = true, "use_amx"_a = true, nogil);
-  m.def("pack_bf16", &bb::pack_bf16, "bf16 W [N,K] -> its K-interleaved copy [ceil(N/TN), K, TN] for linear_bf16_packed",
-        "w"_a, nogil);
+  m.def("pack_bf16", &bb::pack_bf16,
+        "bf16 W [N,K] -> its K-interleaved copy [ceil(N/TN), K, TN] for linear_bf16_packed", "w"_a, nogil);
   m.def("linear_bf16_packed", &bb::linear_bf16_packed, "x [M,K] @ W^T (+ bias) on pack_bf16(W) of N channels",
         "x"_a, "packed"_a, "n"_a, "bias"_a = py::none(), "out_fp32"_a = false, nogil);
   m.def("linear_int8", &bb::linear_int8, "x @ (int8 q [N,K] * scale [N])^T (+ bias)", "x"_a, "q"_a,

@@ -1,7 +1,7 @@
 // Decode GEMM on bf16 weights kept a second time, K-interleaved, for CPUs that widen bf16 in
 // registers (no VDPBF16PS: the avx2 and avx512 builds). The row-major weight [N, K] stays the
-// weight of every other path (prefill's panels, the tied embedding); this copy serves 1 to
-// PACKED_MAX_M rows of a decode step.
+// weight of every other path (prefill's panels, the tied embedding); this copy serves the decode
+// batches (1 to gemm.py's PACKED_MAX_M rows, which decides).
 //
 //   packed [T, K, TN] bf16, TN = 2 VW channels a tile, T = ceil(N / TN) (zeros past N): at tile t,
 //   step k, position 2j holds channel t TN + j and position 2j + 1 channel t TN + VW + j, so one
@@ -29,7 +29,6 @@ namespace {
 namespace packed {
 
 constexpr int TN = 2 * VW;
-constexpr int64_t MAX_M = 48;
 // software prefetch distance along a tile's stream (2 Zen 3 cores, LM head at 4 rows cold, min ms:
 // none 13.35, 512 B 12.15, 1 KiB 11.34, 2 KiB 10.97; 4 KiB even with 2)
 constexpr std::ptrdiff_t PF_BYTES = 2048;
