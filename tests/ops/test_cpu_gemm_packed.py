@@ -40,14 +40,14 @@ def test_the_copy_holds_each_tiles_channels_side_by_side_at_every_k(isa):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 @isa_param
 def test_packed_rows_match_the_fp32_reference(isa, x_dtype):
-    """1-48 rows (groups of 4 and each 1-3 row rest), a partial last tile, K odd (the last step
+    """1-128 rows (groups of 4 and each 1-3 row rest), a partial last tile, K odd (the last step
     alone) and K = 1, bias or none, fp32 or bf16 out, strided rows of x, 1 or 2 threads."""
     mod, kept = _mod(isa), torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for M, N, K in ((1, 67, 37), (2, 5, 1), (3, 2 * mod.PACKED_TN, 64), (4, 33, 100), (5, 67, 37),
-                            (7, 1, 8), (13, 100, 19), (48, 71, 130)):
+                            (7, 1, 8), (13, 100, 19), (48, 71, 130), (gemm.PACKED_MAX_M, 40, 33)):
                 xs = torch.randn(M, K + 3).to(x_dtype)[:, 1:K + 1]            # rows strided
                 w, b = torch.randn(N, K).bfloat16(), torch.randn(N)
                 p = mod.pack_bf16(w)
