@@ -127,3 +127,33 @@ def test_the_runner_packs_the_layers_and_the_lm_head_for_decode(monkeypatch):
     with dispatch.override("torch"):
         dispatch.warm_cpu_gemm(torch.device("cpu"), layers, 64, head)
     assert len(seen) == 1 and seen[0][0] is layers[0] and seen[0][1] is head
+
+
+def test_an_engine_serves_decode_from_the_copies_it_made(hybrid_model, monkeypatch):
+    """The runner, after its caches, gives every bf16 Linear weight and the LM head's its copy (here
+    on this machine's level whatever it is), and a greedy generation's steps then read them: the
+    tokens match an engine that made none."""
+    from backboard import LLM, SamplingParams
+    from backboard.layers.linear import bf16_linear_weights
+    monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
+    monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    monkeypatch.setattr(gemm, "PACKED_ISAS", ())
+    plain = LLM(hybrid_model, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    model = plain.engine.runner.model
+    assert not hasattr(model.lm_head.weight, gemm.K_PACKED_ATTR)
+    want = [o.outputs[0].token_ids for o in plain.generate([[5, 6, 7], [9, 10]], params)]
+    monkeypatch.setattr(gemm, "PACKED_ISAS", (gemm.module().isa(),))
+    llm = LLM(hybrid_model, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    model = llm.engine.runner.model
+    assert all(hasattr(w, gemm.K_PACKED_ATTR) for w in [*bf16_linear_weights(model), model.lm_head.weight])
+    taken, real = [], gemm._k_packed
+
+    def spy(w, M, mod):
+        p = real(w, M, mod)
+        taken.extend([M] if p is not None else [])
+        return p
+    monkeypatch.setattr(gemm, "_k_packed", spy)
+    got = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9, 10]], params)]
+    assert set(taken) == {5, 2}        # the prompts' 5 rows (up to 128 rows take it), then decode of both
+    assert got == want and len(got[0]) == 8

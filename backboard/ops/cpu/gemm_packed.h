@@ -29,8 +29,10 @@ namespace {
 namespace packed {
 
 constexpr int TN = 2 * VW;
-// software prefetch distance along a tile's stream (2 Zen 3 cores, LM head at 4 rows cold, min ms:
-// none 13.35, 512 B 12.15, 1 KiB 11.34, 2 KiB 10.97; 4 KiB even with 2)
+// software prefetch distance along a tile's stream (2 Zen 3 cores, LM head at 4 rows cold, min ms,
+// measured with a T0 hint: none 13.35, 512 B 12.15, 1 KiB 11.34, 2 KiB 10.97; 4 KiB even with 2).
+// The hint is prefetch_once's NTA, as the other decode streams: even with T0 (min / median of 12
+// interleaved, LM head at 4 rows 9.59 / 10.64 vs 9.76 / 10.54 ms, 64 rows 98.6 / 119.5 vs 96.7 / 125.4)
 constexpr std::ptrdiff_t PF_BYTES = 2048;
 
 // w [N, K] (row stride ldw) -> dst [T, K, TN]
@@ -87,11 +89,7 @@ inline void store(const float* s, int64_t m0, int64_t n0, int64_t nn, const Out&
     for (; j + 4 <= nn; j += 4)
       store4(s + i * TN + j, ones, o.bias ? o.bias + n0 + j : nullptr, o.yf ? o.yf + at + j : nullptr,
              o.yb ? o.yb + at + j : nullptr);
-    for (; j < nn; ++j) {
-      const float r = s[i * TN + j] + (o.bias ? o.bias[n0 + j] : 0.f);
-      if (o.yf) o.yf[at + j] = r;
-      else o.yb[at + j] = f32_to_bf16(r);
-    }
+    for (; j < nn; ++j) store1(s[i * TN + j], m0 + i, n0 + j, o);
   }
 }
 
