@@ -288,7 +288,7 @@ def main() -> None:
     print(f"CPU ISA {build.cpu_isa()}; kernels: {mod.isa() if mod else 'NOT BUILT (torch references)'}; "
           f"threads {torch.get_num_threads()}; bf16 rows path up to M={gemm.POLICY[build.cpu_isa()][0]}"
           f"{f' (AMX tiles from 4 to {gemm.AMX_ROWS_MAX} rows)' if mod and mod.amx() else ''}"
-          f"{f' (K-interleaved copies to {gemm.PACKED_MAX_M} rows)' if gemm.packed_copies(mod) else ''}; "
+          f"{' (K-interleaved copies at every row count)' if gemm.packed_copies(mod) else ''}; "
           f"clock: {args.clock}")
     fl = Floors()
     print(fl, flush=True)

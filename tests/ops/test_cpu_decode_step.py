@@ -149,7 +149,7 @@ def test_decode_linear_is_linear_bf16_at_every_row_count(isa):
     w = torch.randn(256, 2048).bfloat16()       # long rows: the panel's rounding differs in a few outputs
     rows_max = gemm._rows_max(mod, False, True)
     wp = torch.randn(300, 256).bfloat16()
-    setattr(wp, gemm.K_PACKED_ATTR, mod.pack_bf16(wp))   # the K-interleaved copy: taken up to PACKED_MAX_M
+    setattr(wp, gemm.K_PACKED_ATTR, mod.pack_bf16(wp))   # the K-interleaved copy: taken at every row count
     for M in sorted({1, 2, 3, 4, 5, 7, rows_max, rows_max + 1, rows_max + 9}):
         x = torch.randn(M, 2048).bfloat16()
         assert torch.equal(gemm.decode_linear(M, mod)(x, w), gemm.linear_bf16(x, w, mod=mod)), M

@@ -17,9 +17,9 @@ every level the CPU has), and picks the path by the number of rows M (POLICY):
   native  larger M with bf16 activations on CPUs with AVX512-BF16: torch's own bf16 matmul
           (oneDNN, native bf16 dot products, fp32 accumulation), faster there than the fp32 rate;
           M padded to whole NATIVE_ROW_BLOCKs (oneDNN compiles a kernel per new M)
-  packed  1 to PACKED_MAX_M rows (the decode batches, in the rows and panel paths' place) on a bf16
-          weight's K-interleaved copy, where the level widens bf16 in registers (PACKED_ISAS) and
-          the runner made the copy (pack_widened; gemm_packed.h)
+  packed  every row count (in the rows and panel paths' place) on a bf16 weight's K-interleaved
+          copy, where the level widens bf16 in registers (PACKED_ISAS) and the runner made the
+          copy (pack_widened; gemm_packed.h)
   amx     on amx_bf16 builds (AMX-BF16 CPUs) bf16 x of 4 to AMX_ROWS_MAX rows goes to AMX tiles
           (gemm_amx.h: 1.1-1.5 TFLOP/s on 2 Sapphire Rapids cores at 64 rows, where the lanes kernel
           reached 220 GFLOP/s and oneDNN 0.6-1.0); from 192 rows on oneDNN (which also uses AMX
@@ -202,7 +202,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     if _widen_x_pays(mod, x2, w):
         x2 = x2.float()
     large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
-    packed = _k_packed(w, x2.shape[0], mod)
+    packed = _k_packed(w, mod)
     if packed is not None:
         y = mod.linear_bf16_packed(x2, packed, w.shape[0], bias, out_fp32)
     elif large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
@@ -223,40 +223,43 @@ def decode_linear(M: int, mod):
     def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return kernel(x, w, None, False, False)
     plain = functools.partial(linear_bf16, mod=mod) if M in _fp32_x_rows(mod) or _panel(mod, M, False, True) else rows
-    if M > PACKED_MAX_M:
-        return plain
     packed_kernel = mod.linear_bf16_packed
 
     def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        packed = _k_packed(w, M, mod)
+        packed = _k_packed(w, mod)
         return plain(x, w) if packed is None else packed_kernel(x, packed, w.shape[0])
     return lin
 
 
-# gemm_packed.h: a second, K-interleaved copy of each bf16 weight for 1 to PACKED_MAX_M rows (the
-# decode GEMMs), made at start-up (pack_widened) on the levels that widen bf16 in registers where it
-# was measured. Cold weights on 2 Zen 3 cores (AVX2), min ms of 10 interleaved, the rows path
-# (gemv_rows / tiles) vs the packed copy: LM head 248320 x 512 at 1 row 8.27 vs 8.19, 2 rows 9.25 vs
-# 8.92, 4 rows 12.46 vs 9.29, 8 rows 23.3 vs 18.0, 16 rows 43.1 vs 35.7, 48 rows 89.9 vs 78.0;
-# 4096 x 512 at 4 rows 0.257 vs 0.203, 16 rows 0.839 vs 0.692; 512 x 2048 at 4 rows 0.148 vs 0.106,
-# 16 rows 0.525 vs 0.354; 1544 x 512, 3072 x 512 and 512 x 512 ahead or even at 1-48 rows. From 49
-# rows it takes the panel path's place (which starts there on avx2) up to 128 rows, the decode
-# batches: panel vs copy, LM head at 49 rows 147.9 vs 111.1, 64 rows 138.6 vs 96.8, 128 rows 226.0 vs
-# 192.1; 4096 x 512 at 64 rows 2.39 vs 1.67, 512 x 2048 1.24 vs 0.83. (Prefill stays on the panels:
-# at 256-1024 rows the copy was ahead by 5-20%, within this VM's noise, and its x re-read per tile
-# from L3 grows with M.)
-PACKED_ISAS, PACKED_MAX_M = ("avx2",), 128
+# gemm_packed.h: a second, K-interleaved copy of each bf16 weight, made at start-up (pack_widened)
+# on the levels that widen bf16 in registers where it was measured, which every bf16 GEMM then
+# runs on. Cold weights on 2 Zen 3 cores (AVX2), min ms of 10 interleaved, the rows path (gemv_rows /
+# tiles) vs the packed copy: LM head 248320 x 512 at 1 row 8.27 vs 8.19, 2 rows 9.25 vs 8.92, 4 rows
+# 12.46 vs 9.29, 8 rows 23.3 vs 18.0, 16 rows 43.1 vs 35.7, 48 rows 89.9 vs 78.0; 4096 x 512 at 4
+# rows 0.257 vs 0.203, 16 rows 0.839 vs 0.692; 512 x 2048 at 4 rows 0.148 vs 0.106, 16 rows 0.525
+# vs 0.354; 1544 x 512, 3072 x 512 and 512 x 512 ahead or even at 1-48 rows. From 49 rows in the
+# panel path's place (which starts there on avx2): LM head at 49 rows 147.9 vs 111.1, 64 rows 138.6
+# vs 96.8, 128 rows 226.0 vs 192.1. Prefill too, once a thread took x through its tiles a block of
+# rows at a time (gemm_packed.h's X_BLOCK), panel vs copy, min ms of 4-8 interleaved (cycled copies
+# of the weight, cold): 4096 x 512 at 256 rows 10.1 vs 6.8, 1024 rows 31.3 vs 26.0, 2048 rows
+# 63.7 vs 53.6; 1544 x 512 at 1024 rows 11.4 vs 9.7; 3072 x 512 at 2048 rows 50.9 vs 43.3; 512 x
+# 2048 at 1024 rows 17.2 vs 16.3, 2048 rows 28.4 vs 30.5 (medians 33.3 vs 31.2: even). Prefill of
+# the benchmark checkpoint (forward_cpu.Ours: forward + last logits, min / median ms of 10
+# interleaved), the GEMMs over 128 rows on panels vs copies: 256 tokens 202.7 / 247.0 vs 172.0 /
+# 196.8, 1024 tokens 661.7 / 860.9 vs 628.0 / 773.6 (attention and GDN are more of it), 4 x 256
+# 592.6 / 708.2 vs 580.8 / 696.5.
+PACKED_ISAS = ("avx2",)
 K_PACKED_ATTR = "_bb_k_packed"
 
 
-def _k_packed(w: torch.Tensor, M: int, mod) -> torch.Tensor | None:
-    """w's K-interleaved copy where it has one in this build's tile width and M rows take it."""
+def _k_packed(w: torch.Tensor, mod) -> torch.Tensor | None:
+    """w's K-interleaved copy where it has one in this build's tile width."""
     p = getattr(w, K_PACKED_ATTR, None)
-    return p if p is not None and M <= PACKED_MAX_M and p.shape[2] == mod.PACKED_TN else None
+    return p if p is not None and p.shape[2] == mod.PACKED_TN else None
 
 
 def packed_copies(mod=None) -> bool:
-    """Whether decode's rows run on K-interleaved copies here (pack_widened makes them)."""
+    """Whether bf16 GEMMs run on K-interleaved copies here (pack_widened makes them)."""
     mod = mod or module()
     return mod is not None and _isa_running(mod) in PACKED_ISAS
 
