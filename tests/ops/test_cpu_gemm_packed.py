@@ -134,7 +134,7 @@ def test_the_runner_packs_the_layers_and_the_lm_head_for_decode(monkeypatch):
     assert len(seen) == 1 and seen[0][0] is layers[0] and seen[0][1] is head
 
 
-def test_an_engine_serves_decode_from_the_copies_it_made(hybrid_model, monkeypatch):
+def test_an_engine_serves_prefill_and_decode_from_the_copies_it_made(hybrid_model, monkeypatch):
     """The runner, after its caches, gives every bf16 Linear weight and the LM head's its copy (here
     on this machine's level whatever it is), and a greedy generation's prefill and decode steps then
     read them: the tokens match an engine that made none."""

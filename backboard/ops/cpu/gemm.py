@@ -199,18 +199,24 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     mod = mod or module()
     out_fp32 = (out_dtype or x.dtype) == torch.float32
     x2 = x if x.dim() == 2 else _rows_2d(x)
-    if _widen_x_pays(mod, x2, w):
-        x2 = x2.float()
-    large = _panel(mod, x2.shape[0], False, x.dtype == torch.bfloat16)
     packed = _k_packed(w, mod)
-    if packed is not None:
+    if packed is not None:                      # at every row count
         y = mod.linear_bf16_packed(x2, packed, w.shape[0], bias, out_fp32)
-    elif large and x.dtype == torch.bfloat16 and POLICY[mod.isa()][2] == "native":
-        y = _native(x2, w, bias, native_row_block(mod))
-        y = y.float() if out_fp32 else y
     else:
-        y = mod.linear_bf16(x2, w, bias, out_fp32, large)
+        y = _by_rows(x2, w, bias, out_fp32, mod)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
+def _by_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_fp32: bool, mod) -> torch.Tensor:
+    """x [M, K] on a weight without a K-interleaved copy: the path POLICY picks for M rows."""
+    x_bf16 = x.dtype == torch.bfloat16
+    if _widen_x_pays(mod, x, w):
+        x = x.float()
+    large = _panel(mod, x.shape[0], False, x_bf16)
+    if large and x_bf16 and POLICY[mod.isa()][2] == "native":
+        y = _native(x, w, bias, native_row_block(mod))
+        return y.float() if out_fp32 else y
+    return mod.linear_bf16(x, w, bias, out_fp32, large)
 
 
 def decode_linear(M: int, mod):
