@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
+import sys
 import sysconfig
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,23 +14,44 @@ from backboard.ops.cpu import build, decode_ops, gemm
 SOURCES = gemm.SOURCES + decode_ops.SOURCES
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
-    """torch waits forever on the lock of a build whose process was killed: an old lock of the
-    family goes, a fresh one (a build in progress) and other families' stay."""
+def test_a_killed_builds_lock_is_removed_however_fresh(tmp_path, monkeypatch):
+    """torch waits forever on the lock of a build whose process was killed, and a build restarted
+    seconds later found it fresh: under the family's build lock every torch lock of the family is
+    a killed build's and goes, whatever its age; other families' stay."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     locks = {}
-    for name, age in (("backboard_fam_avx2_aaaa", 2 * build.STALE_LOCK_S),
-                      ("backboard_fam_avx2_bbbb", 10),
-                      ("backboard_other_avx2_cccc", 2 * build.STALE_LOCK_S)):
+    for name in ("backboard_fam_avx2_aaaa", "backboard_other_avx2_cccc"):
         d = tmp_path / "py311_cpu" / name
         d.mkdir(parents=True)
         locks[name] = d / "lock"
         locks[name].write_text("")
-        os.utime(locks[name], (time.time() - age, time.time() - age))
-    build._remove_stale_locks("fam", "avx2")
+    with build._builder("fam", "avx2"):
+        build._remove_stale_locks("fam", "avx2")
     assert not locks["backboard_fam_avx2_aaaa"].exists()
-    assert locks["backboard_fam_avx2_bbbb"].exists()
     assert locks["backboard_other_avx2_cccc"].exists()
+
+
+def test_the_build_lock_is_held_while_a_builder_lives_and_dropped_when_it_is_killed(tmp_path, monkeypatch):
+    """A second build of the family waits while the first lives (it must not take the first's torch
+    lock for a stale one), and goes on once the first is killed (SIGKILL: no clean-up runs)."""
+    import fcntl
+    import signal
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from backboard.ops.cpu import build\n"
+         "with build._builder('fam', 'avx2'):\n print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "backboard_fam_avx2.flock", "a") as f:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=30)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)     # free now: raises if it is not
+    finally:
+        holder.kill()
 
 
 def test_two_checkouts_build_from_one_staged_copy(tmp_path, monkeypatch):

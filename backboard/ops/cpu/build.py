@@ -18,13 +18,15 @@ logs once; callers fall back to the torch references.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -169,7 +171,6 @@ def kernel_cflags(isa: str) -> list[str]:
 def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    _remove_stale_locks(family, isa)
     cflags = kernel_cflags(isa)            # the C++ standard: cpp_extension's (torch's)
     # the hash of the sources, this folder's headers and the flags is in the name: an edited
     # kernel or header never loads a stale build
@@ -177,8 +178,10 @@ def _build(family: str, paths: tuple[str, ...], isa: str) -> ModuleType:
     inputs += [h.read_bytes() for h in sorted(SRC_DIR.glob("*.h"))] + [" ".join(cflags).encode()]
     digest = hashlib.sha1(b"\0".join(inputs)).hexdigest()[:8]
     sources = _staged_sources(paths, digest)
-    return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=sources,
-                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+    with _builder(family, isa):
+        _remove_stale_locks(family, isa)
+        return cpp_extension.load(name=f"backboard_{family}_{isa}_{digest}", sources=sources,
+                                  extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _build_root() -> Path:
@@ -211,17 +214,20 @@ def _warn_once(msg: str) -> None:
     logger.warning(msg)
 
 
-STALE_LOCK_S = 900      # no build takes this long: such a lock was left by a process killed mid-build
+@contextlib.contextmanager
+def _builder(family: str, isa: str) -> Iterator[None]:
+    """Hold the family's build lock (flock) while it builds or loads: every Backboard process does,
+    and the kernel drops it when its process dies, killed mid-build included."""
+    root = _build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"backboard_{family}_{isa}.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)           # released when f closes or the process dies
+        yield
 
 
 def _remove_stale_locks(family: str, isa: str) -> None:
-    """torch waits forever on the lock file of a build whose process was killed; remove the
-    family's locks that are older than any build takes."""
-    root = _build_root()
-    for lock in root.glob(f"*/backboard_{family}_{isa}_*/lock"):      # <root>/py311_cpu/<name>/lock
-        try:
-            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-                logger.warning("removing the stale build lock %s (a build was interrupted)", lock)
-                lock.unlink()
-        except OSError:
-            pass
+    """torch waits forever on the lock file of a build whose process was killed. Called under
+    _builder, where no live Backboard build of the family holds one: each is a killed build's."""
+    for lock in _build_root().glob(f"*/backboard_{family}_{isa}_*/lock"):    # <root>/py311_cpu/<name>/
+        logger.warning("removing the build lock %s left by an interrupted build", lock)
+        lock.unlink(missing_ok=True)
