@@ -123,8 +123,14 @@ inline void store_any(const Args& a, const __m512* acc, int64_t m0, int64_t n0) 
   }
 }
 
-// acc[i][j] (lane l) = sum over k of x[m0 + 16 i + l][k] * W[n0 + j][k], then stored
-template <int NV, int NC>
+// acc[i][j] (lane l) = sum over k of x[m0 + 16 i + l][k] * W[n0 + j][k], then stored. ONCE: the
+// weights are fetched non-temporally (gemm_out.h's prefetch_once), as the GEMVs' streams are: at
+// one row vector each weight line is read once per call. Zen 5's 1 x 12 tiles take it (the
+// benchmark checkpoint's 16-request decode step 12.44 -> 12.18 ms, 10 pairs on 2 Zen 5 cores); the
+// 4 x 6 tiles keep the L2 prefetch: on a Zen 4 (their 1 x 6 tails at one row vector) the same step
+// took 22.3-23.5 ms with it and 16.9-17.4 without (4 interleaved runs each); at 64 rows on Zen 5
+// it cost too (38.5 -> 39.1).
+template <int NV, int NC, bool ONCE = false>
 inline void tile(const Args& a, int64_t m0, int64_t n0) {
   __m512 acc[NV][NC];
   for (int i = 0; i < NV; ++i)
@@ -132,16 +138,11 @@ inline void tile(const Args& a, int64_t m0, int64_t n0) {
   const uint16_t* wr[NC];
   for (int j = 0; j < NC; ++j) wr[j] = a.w + (n0 + j) * a.ldw;
   const uint32_t* xk = a.xp + m0;
-  // one row vector (a decode step of up to 16 requests): each weight line is read once per call,
-  // so it is fetched non-temporally as the GEMVs' streams are (gemm_out.h's prefetch_once: the
-  // benchmark checkpoint's 16-request decode step 12.44 -> 12.18 ms, 10 pairs on 2 Zen 5 cores;
-  // at 64 rows 38.5 -> 39.1, so more rows keep the L2 prefetch)
-  const bool once = a.M <= L;
   for (int64_t kp = 0; kp < a.K / 2; ++kp, xk += a.mp) {
     if ((kp & 15) == 0)                                 // the next tile's weights, a line ahead
       for (int j = 0; j < NC; ++j) {
         const char* p = reinterpret_cast<const char*>(wr[j] + NC * a.ldw + 2 * kp);
-        if (once) prefetch_once(p);
+        if constexpr (ONCE) prefetch_once(p);
         else prefetch(p);
       }
     __m512i xv[NV];
@@ -155,19 +156,19 @@ inline void tile(const Args& a, int64_t m0, int64_t n0) {
 }
 
 // a tile of nv <= NV row vectors and nc <= NC channels (tails take smaller instances)
-template <int NV, int NC>
+template <int NV, int NC, bool ONCE>
 inline void tile_any(const Args& a, int nv, int nc, int64_t m0, int64_t n0) {
   if constexpr (NV > 1) {
-    if (nv < NV) return tile_any<NV - 1, NC>(a, nv, nc, m0, n0);
+    if (nv < NV) return tile_any<NV - 1, NC, ONCE>(a, nv, nc, m0, n0);
   }
   if constexpr (NC > 1) {
-    if (nc < NC) return tile_any<NV, NC - 1>(a, nv, nc, m0, n0);
+    if (nc < NC) return tile_any<NV, NC - 1, ONCE>(a, nv, nc, m0, n0);
   }
-  tile<NV, NC>(a, m0, n0);
+  tile<NV, NC, ONCE>(a, m0, n0);
 }
 
 // threads over blocks of NC channels; each block walks down M, NV row vectors at a time
-template <int NV, int NC>
+template <int NV, int NC, bool ONCE = false>
 inline void run_tiles(const Args& a) {
   const int64_t nblocks = (a.N + NC - 1) / NC, vecs = a.mp / L;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / (std::max<int64_t>(a.K, 1) * NC));
@@ -176,7 +177,7 @@ inline void run_tiles(const Args& a) {
       const int64_t n0 = b * NC;
       const int nc = int(std::min<int64_t>(NC, a.N - n0));
       for (int64_t v = 0; v < vecs; v += NV)
-        tile_any<NV, NC>(a, int(std::min<int64_t>(NV, vecs - v)), nc, v * L, n0);
+        tile_any<NV, NC, ONCE>(a, int(std::min<int64_t>(NV, vecs - v)), nc, v * L, n0);
     }
   });
 }
@@ -194,9 +195,9 @@ inline int& wide_channels() {
 
 // 4 x 6 tiles (their tails for fewer rows): more channels per tile for 16 or 32 rows were no
 // faster on a Zen 4 (8, 12, 16 measured: the extra weight rows in flight cost more than the
-// broadcasts save); 1 x 12 for one row vector where wide_channels() is 12
+// broadcasts save); 1 x 12 for one row vector where wide_channels() is 12, its weights non-temporal
 inline void run(const Args& a) {
-  if (wide_channels() == 12 && a.mp == L) return run_tiles<1, 12>(a);
+  if (wide_channels() == 12 && a.mp == L) return run_tiles<1, 12, true>(a);
   run_tiles<4, 6>(a);
 }
 
