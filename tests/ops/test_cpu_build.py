@@ -52,6 +52,8 @@ def test_the_build_lock_is_held_while_a_builder_lives_and_dropped_when_it_is_kil
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)     # free now: raises if it is not
     finally:
         holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
 
 
 def test_two_checkouts_build_from_one_staged_copy(tmp_path, monkeypatch):
