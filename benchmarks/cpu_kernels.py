@@ -14,7 +14,8 @@ Floors, measured in the same run with the same threads:
 
 Sections: each linear shape of the model at 1, 4, 16, 64 rows (+ prefill 256, 512) for ours
 (dispatch.linear: what the layers run), torch bf16 and torch fp32; int8 / int4 (the draft head's
-formats); causal prefill attention of one request (dispatch.paged_attention_prefill: the C++
+formats); greedy tokens from the LM head at 1, 2, 4 rows, logits + argmax against the INT8
+screen (sample/greedy_screen.py); causal prefill attention of one request (dispatch.paged_attention_prefill: the C++
 flash form on AVX512-BF16) against torch's bf16 SDPA and the FLOP floor; the decode step of the
 model at 1, 4, 16, 64 requests in bf16 and fp32, and the two taken in turn (their ratio).
 
@@ -169,6 +170,31 @@ def bench_quantized(fl: Floors, int8_shape: tuple[int, int], int4_shape: tuple[i
 
 
 # ---- the whole decode step -----------------------------------------------------------------------
+def bench_greedy_head(fl: Floors, N: int, K: int, rows: list[int], pairs: int = 8) -> None:
+    """Greedy tokens of R rows from an N x K bf16 LM head: logits + argmax against the INT8
+    screen (sample/greedy_screen.py), taken in turn, medians; the screen's floor is its INT8
+    copy's bytes (the candidates' exact rows are a few KB)."""
+    from backboard.ops.argmax_screen import build_screen, row_norms
+    from backboard.sample.greedy_screen import screened_argmax
+
+    w = torch.randn(N, K).bfloat16()
+    screen = build_screen(w)
+    for R in rows:
+        h = torch.randn(R, K).bfloat16()
+        full = lambda: dispatch.argmax(dispatch.linear(h, w, out_dtype=torch.float32))  # noqa: E731
+        ts = {"full": [], "screen": []}
+        for _ in range(pairs):
+            ts["full"].append(timed(full, reps=0))
+            ts["screen"].append(timed(lambda: screened_argmax(h, w, screen), reps=0))
+        assert torch.equal(full(), screened_argmax(h, w, screen))
+        approx = dispatch.int8_linear(h, screen.q, screen.scale, out_dtype=torch.float32)
+        n = dispatch.screen_candidates(approx, screen.slack, row_norms(h))[1].numel()
+        f, sc = (float(np.median(ts[k])) for k in ("full", "screen"))
+        print(f"  {R:>2} rows: logits + argmax {f * 1e3:7.3f} ms  screen {sc * 1e3:7.3f} ms ({sc / f:4.2f}x; "
+              f"{n} candidate rows)  floors {fl.of(N * K * 2, 0) * 1e3:6.3f} / "
+              f"{fl.of(screen.q.nbytes, 0) * 1e3:6.3f} ms", flush=True)
+
+
 def bench_model_path(cache_dir: str) -> str:
     """A checkpoint with BENCH_SHAPE (random bf16 weights), built once."""
     path = os.path.join(cache_dir, "bench-qwen3_5-h512-v248320")
@@ -307,6 +333,8 @@ def main() -> None:
     print("\nlinear layers (bf16 weights, bf16 activations)")
     for name, N, K in (shapes[:1] + shapes[-1:] if args.quick else shapes):
         bench_linear(fl, name, N, K, rows, prefill)
+    print("\ngreedy tokens from the LM head (bf16 activations): logits + argmax vs the INT8 screen, in turn")
+    bench_greedy_head(fl, shapes[-1][1], shapes[-1][2], [1, 2, 4])
     print("\nquantized weights (the draft head's formats), fp32 activations")
     bench_quantized(fl, shapes[-1][1:], shapes[0][1:], rows)
     print("\ncausal prefill attention, one request (the model's attention heads)")

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from backboard.ops.activation import silu_mul_ref
+from backboard.ops.argmax_screen import ArgmaxScreen, build_screen, screen_candidates_ref
 from backboard.ops.attention import paged_attention_decode_ref, paged_attention_prefill_ref
 from backboard.ops.cache_copy import copy_slices_ref
 from backboard.ops.cpu import decode_ops as cpu_ops
@@ -219,6 +220,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def screen_candidates(approx: torch.Tensor, slack: torch.Tensor,
+                      norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ops.argmax_screen.screen_candidates_ref: the C++ scan on the CPU (fp32 rows,
+    contiguous), else the reference."""
+    if _cpu_rows(approx):
+        return cpu_ops.screen_candidates(approx, slack.contiguous(), norm.contiguous())
+    return screen_candidates_ref(approx, slack, norm)
+
+
+def argmax_screen_rows_max(device: torch.device) -> int:
+    """Rows up to which greedy decoding screens the LM head's argmax on its INT8 copy here (0:
+    never): on CPUs where the INT8 GEMV beats the bf16 one (cpu_gemm.argmax_screen_rows_max)."""
+    return cpu_gemm.argmax_screen_rows_max() if _cpu_kernels_on(device) else 0
+
+
 def _cpu_rows(x: torch.Tensor) -> bool:
     """Whether a row-wise C++ op (argmax, the sampling draws) takes x: fp32 [R, V > 0] with
     contiguous rows, and the decode ops run."""
@@ -284,6 +300,23 @@ def warm_cpu_gemm(device: torch.device, weights: list[torch.Tensor], max_rows: i
     logger.info("oneDNN bf16 matmuls: weights %s; compiled for %d (rows, shape) pairs in %.1f s",
                 f"packed ({packed / 2**20:.0f} MiB more)" if packed else "not packed (no room)", n,
                 time.monotonic() - t0)
+
+
+def build_argmax_screen(device: torch.device, lm_head: torch.Tensor | None) -> ArgmaxScreen | None:
+    """Greedy decoding's INT8 screen of a bf16 LM head [V, K] (ops/argmax_screen.py) where
+    argmax_screen_rows_max says it pays and it fits the memory left as the packed copies must
+    (cpu_gemm.fits); None elsewhere."""
+    if lm_head is None or lm_head.dtype != torch.bfloat16 or not argmax_screen_rows_max(device):
+        return None
+    if not cpu_gemm.fits(lm_head.numel() + 8 * lm_head.shape[0], available_memory()):
+        logger.info("no INT8 screen of the LM head for greedy rows: no room")
+        return None
+    t0 = time.monotonic()
+    screen = build_screen(lm_head)
+    if screen is not None:
+        logger.info("LM head INT8 screen for greedy rows (%.0f MiB) in %.1f s", screen.nbytes / 2**20,
+                    time.monotonic() - t0)
+    return screen
 
 
 def available_memory() -> int | None:

@@ -30,6 +30,7 @@ from backboard.models.loader import load_model, torch_dtype
 from backboard.ops import dispatch
 from backboard.ops.token_bitmask import apply_token_bitmask
 from backboard.sample.grammar_mask import GrammarBatch, accept_step_tokens, cut_drafts, fill_step_bitmask
+from backboard.sample.greedy_screen import screened_argmax
 from backboard.sample.metadata import SamplingParamsTable, SpecDecodeMetadata, build_sampling_metadata
 from backboard.sample.rejection import verify_drafts
 from backboard.sample.sampler import Sampler, compute_logprobs, sampled_logprobs
@@ -62,6 +63,8 @@ class ModelRunner:
         # after the caches: the packed weight copies take only what memory they leave
         lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
         dispatch.warm_cpu_gemm(self.device, bf16_linear_weights(self.model), sc.max_num_batched_tokens, lm_head)
+        self.screen_rows = dispatch.argmax_screen_rows_max(self.device) if tp_size() == 1 else 0
+        self.screen = dispatch.build_argmax_screen(self.device, lm_head) if self.screen_rows else None
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)
@@ -191,12 +194,14 @@ class ModelRunner:
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> fp32 logits [R, V] of the plan's logit rows."""
-        rows = plan.logit_rows
-        # a decode step needs every row: no gather
-        h = hidden if len(rows) == hidden.shape[0] else hidden[torch.from_numpy(rows).to(self.device)]
-        logits = self.model.compute_logits(h)
+        logits = self.model.compute_logits(self._logit_hidden(plan, hidden))
         self.forward_timer.stop()
         return logits
+
+    def _logit_hidden(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> the plan's logit rows [R, H] (a decode step needs every row: no gather)."""
+        rows = plan.logit_rows
+        return hidden if len(rows) == hidden.shape[0] else hidden[torch.from_numpy(rows).to(self.device)]
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor, grammars=None) -> SampleResult:
         """Tokens for every sampling request (verifying drafts where there are any, masked by
@@ -204,21 +209,41 @@ class ModelRunner:
         samples and every rank takes its result."""
         if len(plan.logit_rows) == 0:
             return SampleResult.empty(len(plan.rows))
+        if grammars is None and self._screens(plan):
+            return self._screened(plan, hidden)
         logits = self._logits(plan, hidden)
         if tp_rank() > 0:
             return broadcast_object()
         return broadcast_object(self._choose(plan, logits, grammars))
 
+    def _plain_greedy(self, plan: StepPlan) -> bool:
+        """No drafts to verify and every request greedy without penalties, min_tokens or logprobs."""
+        return not plan.has_spec and bool(self.params.plain_greedy[plan.rows[plan.sample_mask]].all())
+
+    def _screens(self, plan: StepPlan) -> bool:
+        """Whether this step's tokens come from the LM head's INT8 screen (few plain greedy rows)."""
+        return self.screen is not None and len(plan.logit_rows) <= self.screen_rows and self._plain_greedy(plan)
+
+    def _screened(self, plan: StepPlan, hidden: torch.Tensor) -> SampleResult:
+        """The argmax of the logit rows' exact logits without computing them all (sample/greedy_screen.py)."""
+        tokens = screened_argmax(self._logit_hidden(plan, hidden), self.model.lm_head.weight, self.screen)
+        self.forward_timer.stop()
+        return self._greedy_result(plan, tokens)
+
+    def _greedy_result(self, plan: StepPlan, tokens: torch.Tensor) -> SampleResult:
+        """One token per sampling request: tokens [R] in the order of the plan's logit rows."""
+        result = SampleResult.empty(len(plan.rows))
+        for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), tokens.tolist()):
+            result.token_ids[i] = [t]
+        return result
+
     def _choose(self, plan: StepPlan, logits: torch.Tensor, grammars) -> SampleResult:
         """logits [R, V] -> the step's tokens (and logprobs)."""
-        result = SampleResult.empty(len(plan.rows))
         if grammars is not None:
             self._apply_grammars(plan, grammars, logits)
-        if not plan.has_spec and self.params.plain_greedy[plan.rows[plan.sample_mask]].all():
-            # the common case needs nothing but an argmax per request
-            for i, t in zip(np.nonzero(plan.sample_mask)[0].tolist(), dispatch.argmax(logits).tolist()):
-                result.token_ids[i] = [t]
-            return result
+        if self._plain_greedy(plan):            # the common case needs nothing but an argmax per request
+            return self._greedy_result(plan, dispatch.argmax(logits))
+        result = SampleResult.empty(len(plan.rows))
         req_of, choose_pos = plan.logit_row_index()
         md = build_sampling_metadata(self.params, plan.rows[req_of], choose_pos, self.batch, self.vocab_size,
                                      self.device)

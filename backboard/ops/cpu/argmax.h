@@ -9,7 +9,9 @@
 #include <ATen/record_function.h>
 
 #include <cmath>
+#include <algorithm>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -107,6 +109,67 @@ inline at::Tensor argmax_rows(const at::Tensor& x) {
   std::vector<ChunkMax> cm(R * nch);
   parallel_row_chunks(x, kArgmaxChunk, [&](int64_t t, const float* p, int64_t n) { cm[t] = chunk_max(p, n); });
   return ids_by_row(x, [&](int64_t r) { return row_argmax(px + r * ld, V, cm.data() + r * nch, nch); });
+}
+
+// ---- greedy decoding's screen (ops/argmax_screen.py) ---------------------------------------------
+// approx [R, N] (the INT8 LM head's logits), slack [N] and norm [R] (||x||_1 of each row): row r's
+// exact logit i lies in approx[r, i] -+ slack[i] * norm[r], so only the i whose upper end reaches
+// the largest lower end can be the row's maximum. Threaded over (row, chunk): each chunk's largest
+// lower and upper ends, then only the chunks whose upper end reaches the row's largest lower end
+// are scanned for the indices. -> (int64 [R + 1] offsets into int64 [n] indices, ascending per row)
+struct ScreenChunk {
+  float lo, hi;
+};
+
+inline ScreenChunk screen_chunk(const float* a, const float* c, float s, int64_t n) {
+  const int64_t nv = n - n % VF::N;
+  const VF vs = VF::set1(s);
+  VF lo = VF::set1(-std::numeric_limits<float>::infinity()), hi = lo;
+  for (int64_t i = 0; i < nv; i += VF::N) {
+    const VF v = VF::load(a + i), d = VF::load(c + i) * vs;
+    lo = vmax(lo, v - d);
+    hi = vmax(hi, v + d);
+  }
+  float l = lo.max(), h = hi.max();
+  for (int64_t i = nv; i < n; ++i) {
+    l = std::max(l, a[i] - c[i] * s);
+    h = std::max(h, a[i] + c[i] * s);
+  }
+  return {l, h};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& approx, const at::Tensor& slack,
+                                                            const at::Tensor& norm) {
+  RECORD_FUNCTION("bb::screen_candidates", std::vector<c10::IValue>());
+  check_rows(approx, "screen_candidates", "approx");
+  const int64_t R = approx.size(0), N = approx.size(1), ld = approx.stride(0);
+  BB_CHECK(slack.dim() == 1 && slack.size(0) == N && slack.scalar_type() == at::kFloat && slack.is_contiguous(),
+           "screen_candidates: slack must be contiguous float32 [", N, "], got ", slack.sizes());
+  BB_CHECK(norm.dim() == 1 && norm.size(0) == R && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
+           "screen_candidates: norm must be contiguous float32 [", R, "], got ", norm.sizes());
+  const int64_t nch = (N + kArgmaxChunk - 1) / kArgmaxChunk;
+  const float *pa = ptr<float>(approx), *pc = ptr<float>(slack), *ps = ptr<float>(norm);
+  std::vector<ScreenChunk> ch(R * nch);
+  parallel_row_chunks(approx, kArgmaxChunk, [&](int64_t t, const float* p, int64_t n) {
+    ch[t] = screen_chunk(p, pc + (t % nch) * kArgmaxChunk, ps[t / nch], n);
+  });
+  std::vector<int64_t> idx, off{0};
+  for (int64_t r = 0; r < R; ++r) {
+    float floor = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < nch; ++c) floor = std::max(floor, ch[r * nch + c].lo);
+    for (int64_t c = 0; c < nch; ++c) {
+      if (!(ch[r * nch + c].hi >= floor)) continue;
+      for (int64_t i = c * kArgmaxChunk, e = std::min(N, i + kArgmaxChunk); i < e; ++i)
+        if (pa[r * ld + i] + pc[i] * ps[r] >= floor) idx.push_back(i);
+    }
+    off.push_back(int64_t(idx.size()));
+  }
+  auto to_tensor = [](const std::vector<int64_t>& v) {
+    at::Tensor t = at::empty({int64_t(v.size())}, at::TensorOptions().dtype(at::kLong));
+    std::copy(v.begin(), v.end(), ptr<int64_t>(t));
+    return t;
+  };
+  return {to_tensor(off), to_tensor(idx)};
 }
 
 }  // namespace BB_ISA_NAMESPACE

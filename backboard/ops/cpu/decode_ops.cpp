@@ -1,7 +1,7 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
 // the GDN decode / verify step, paged decode attention, causal prefill attention (AVX512-BF16
 // builds), RMSNorm (+ residual), the GDN gated norm, SiLU-mul, the attention prologue (q / k
-// norm, RoPE, K/V cache write), greedy argmax, random sampling's draw and the prefix cache's
+// norm, RoPE, K/V cache write), greedy argmax (and its screen), random sampling's draw and the prefix cache's
 // block / slot copies. Each has the signature of its torch reference (the Python wrapper
 // backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
 #include <torch/csrc/utils/pybind.h>
@@ -55,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_slices", &bb::copy_slices,
         "slices src -> dst along dim 0 or 1 of every tensor, in order (see ops.cache_copy.copy_slices_ref)");
   m.def("argmax_rows", &bb::argmax_rows, "torch.argmax(x, -1) of fp32 logits [R, V] (first maximum, NaN largest)");
+  m.def("screen_candidates", &bb::screen_candidates,
+        "greedy decoding's screen: per row the indices whose bounds reach the largest lower bound "
+        "(see ops.argmax_screen.screen_candidates_ref)");
   m.def("sample_inverse_cdf", &bb::sample_inverse_cdf,
         "one token a row of probabilities [R, V] at uniforms [R] (see ops.sampling.sample_inverse_cdf_ref)");
   m.def("sample_logits", &bb::sample_logits,

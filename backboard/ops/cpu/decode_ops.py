@@ -142,6 +142,13 @@ def argmax_rows(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     return _mod(isa).argmax_rows(x)
 
 
+def screen_candidates(approx: torch.Tensor, slack: torch.Tensor, norm: torch.Tensor, *,
+                      isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ops.argmax_screen.screen_candidates_ref: approx fp32 [R, N] (rows contiguous), slack
+    fp32 [N], norm fp32 [R] -> (int64 [R + 1] offsets, int64 [n] indices)."""
+    return _mod(isa).screen_candidates(approx, slack, norm)
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """See ops.sampling.sample_inverse_cdf_ref: probs fp32 [R, V] (rows contiguous), u fp64 [R]
     -> int64 [R]."""

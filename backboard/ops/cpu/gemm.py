@@ -137,6 +137,23 @@ def int8_lm_head_rows_max(mod=None) -> int | None:
     return INT8_LM_HEAD_ROWS_MAX.get(_isa_running(mod or module()))
 
 
+# Greedy decoding screens the LM head's argmax on its INT8 copy (ops/argmax_screen.py) up to this
+# many rows, fewer where the INT8 head stops paying (INT8_LM_HEAD_ROWS_MAX). The benchmark
+# checkpoint's 248320 x 512 head on 2 Zen 4 cores, bf16 x, median ms of 9 interleaved, bf16 vs
+# INT8 GEMV: 1 row 6.45 vs 4.09, 2 rows 6.26 vs 4.18, 3 rows 6.74 vs 5.81, 4 rows 7.74 vs 6.38, 6 rows
+# 6.75 vs 9.68. Not measured on AVX2-only CPUs (where INT8 heads won at every row count for drafts).
+ARGMAX_SCREEN_ROWS_MAX = 4
+
+
+def argmax_screen_rows_max(mod=None) -> int:
+    """Rows up to which greedy decoding's argmax runs on the LM head's INT8 screen here."""
+    mod = mod or module()
+    if mod is None:
+        return 0
+    int8_max = int8_lm_head_rows_max(mod)
+    return ARGMAX_SCREEN_ROWS_MAX if int8_max is None else min(int8_max, ARGMAX_SCREEN_ROWS_MAX)
+
+
 # The draft head's int4 layers widened to bf16 once at load (bf16 targets): unpacking nibbles is
 # arithmetic, and a draft head's weights are small (SmolLM2's: 8 MB in bf16) and come from cache.
 # bf16 won at every row count, the head's 5 linears on 2 cores, ms int4 vs bf16: Sapphire Rapids
@@ -333,12 +350,17 @@ def pack_native(weights: list[torch.Tensor], available_bytes: int | None, mod=No
     return _pack_all(weights, available_bytes, _pack)
 
 
+def fits(nbytes: int, available_bytes: int | None) -> bool:
+    """Whether a copy of nbytes fits PACK_MAX_SHARE of available_bytes (None: unknown, no)."""
+    return available_bytes is not None and nbytes <= PACK_MAX_SHARE * available_bytes
+
+
 def _pack_all(weights: list[torch.Tensor], available_bytes: int | None, pack) -> int:
     """pack(w) for every distinct bf16 weight [N, K] where their bytes fit PACK_MAX_SHARE of
     available_bytes (else none); returns those bytes."""
     todo = {id(w): w for w in weights if w.dtype == torch.bfloat16 and w.dim() == 2}
     total = sum(w.numel() * w.element_size() for w in todo.values())
-    if not todo or available_bytes is None or total > PACK_MAX_SHARE * available_bytes:
+    if not todo or not fits(total, available_bytes):
         return 0
     for w in todo.values():
         pack(w)
