@@ -143,6 +143,8 @@ def test_an_engine_serves_prefill_and_decode_from_the_copies_it_made(hybrid_mode
     monkeypatch.delenv("BACKBOARD_KERNELS", raising=False)
     monkeypatch.delenv("BACKBOARD_CPU_KERNELS", raising=False)
     params = SamplingParams(max_tokens=8, temperature=0.0)
+    # the LM head's full GEMV, not greedy decoding's INT8 screen of it (sample/greedy_screen.py)
+    monkeypatch.setattr(dispatch, "argmax_screen_rows_max", lambda device: 0)
     monkeypatch.setattr(gemm, "PACKED_ISAS", ())
     plain = LLM(hybrid_model, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
     model = plain.engine.runner.model
