@@ -22,6 +22,7 @@ import traceback
 import zmq
 
 from backboard.config import EngineConfig
+from backboard.core.heap import freeze_startup_heap
 from backboard.core.outputs import SchedulerStats
 from backboard.engine import messages as M
 from backboard.engine.cpu_threads import set_engine_threads
@@ -113,6 +114,7 @@ def _start_core(cfg: EngineConfig, io: EngineIO):
         return None
     if core.tp_workers is not None:
         io.watch_ranks(core.tp_workers.sentinels)
+    freeze_startup_heap()
     io.send(M.EngineReady(core.describe(), core.info()))
     return core
 

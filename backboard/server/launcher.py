@@ -19,7 +19,6 @@ request bodies and per-request work within the limits of server/limits.py."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from backboard.config import EngineConfig
+from backboard.core.heap import freeze_startup_heap
 from backboard.engine.async_llm import AsyncLLM
 from backboard.engine.cpu_threads import set_frontend_threads
 from backboard.engine.dp_client import engine_client
@@ -201,9 +201,7 @@ async def _serve(cfg: EngineConfig, tokenizer, opts: ServeOptions, sock: socket.
                 metrics.engine_up.labels(names[0]).set(1)
                 engine.dead.add_done_callback(lambda _: metrics.engine_up.labels(names[0]).set(0))
                 watch = asyncio.ensure_future(server.exit_when_engine_dies(engine))
-                # start-up's objects (modules, the tokenizer, the app) never die: out of the
-                # collector's sight, a full collection pauses the loop for milliseconds, not 100s
-                gc.freeze()
+                freeze_startup_heap()            # modules, the tokenizer, the app (core/heap.py)
             except (EngineStartError, EngineDeadError) as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 code = 1

@@ -15,6 +15,7 @@ import signal
 import threading
 
 from backboard.config import EngineConfig
+from backboard.core.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def serve_rank(cfg: EngineConfig, rank: int, size: int, init_method: str, thread
         torch.set_num_threads(threads)
     init_tensor_parallel(rank, size, init_method, torch.device(cfg.device))
     runner = ModelRunner(cfg, _proposer(cfg))
+    freeze_startup_heap()
     while (so := broadcast_object()) is not None:
         runner.execute_model(so)
     destroy_tensor_parallel()
