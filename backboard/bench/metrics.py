@@ -74,8 +74,9 @@ def compute_metrics(outputs: list[RequestOutput], duration_s: float,
                     percentiles: tuple[float, ...] = PERCENTILES) -> dict:
     """The InferenceX summary of one timed run: counts, throughputs and latency statistics.
 
-    Failed requests count 0 output tokens and contribute to no latency metric; `input_lens` and
-    `output_lens` keep one entry per request (output 0 when failed)."""
+    Failed requests count 0 output tokens and contribute to no latency metric; `input_lens`,
+    `output_lens`, `ttfts` and `e2els` keep one entry per request (output 0, latencies None when
+    failed)."""
     ttfts, tpots, itls, e2els = [], [], [], []
     output_lens = []
     completed = total_input = 0
@@ -104,6 +105,10 @@ def compute_metrics(outputs: list[RequestOutput], duration_s: float,
         "total_token_throughput": (total_input + total_output) / duration_s,
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": output_lens,
+        # per request, in input_lens' order (seconds, as vLLM's detailed results; None: failed), so
+        # that an outlier behind a p99 can be traced to its prompt
+        "ttfts": [o.ttft if o.success else None for o in outputs],
+        "e2els": [o.latency if o.success else None for o in outputs],
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         result.update(summarize_ms(name, values, percentiles))

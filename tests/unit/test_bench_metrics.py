@@ -32,6 +32,7 @@ def test_counts_and_throughputs():
     assert r["total_output_tokens"] == 16
     assert r["input_lens"] == [100, 50, 30, 70]
     assert r["output_lens"] == [10, 1, 5, 0]
+    assert r["ttfts"] == [0.1, 0.3, 0.2, None] and r["e2els"] == [1.0, 0.3, 2.2, None]
     assert r["request_throughput"] == pytest.approx(0.75)
     assert r["output_throughput"] == pytest.approx(4.0)
     assert r["total_token_throughput"] == pytest.approx(49.0)
