@@ -55,7 +55,9 @@ def build_screen(w: torch.Tensor) -> ArgmaxScreen | None:
         slack = (err + ROUNDING * w.shape[1] * _UNIT * wd.abs().amax(1)) * INFLATE
         if not bool(torch.isfinite(slack).all()):
             return None
-        qs.append(q), scales.append(scale), slacks.append(slack.float())
+        qs.append(q)
+        scales.append(scale)
+        slacks.append(slack.float())
     return ArgmaxScreen(torch.cat(qs), torch.cat(scales), torch.cat(slacks))
 
 

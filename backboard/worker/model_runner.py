@@ -63,8 +63,9 @@ class ModelRunner:
         # after the caches: the packed weight copies take only what memory they leave
         lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
         dispatch.warm_cpu_gemm(self.device, bf16_linear_weights(self.model), sc.max_num_batched_tokens, lm_head)
-        self.screen_rows = dispatch.argmax_screen_rows_max(self.device) if tp_size() == 1 else 0
-        self.screen = dispatch.build_argmax_screen(self.device, lm_head) if self.screen_rows else None
+        # greedy decoding's INT8 screen of the LM head (sample/greedy_screen.py), under one rank only
+        self.screen = dispatch.build_argmax_screen(self.device, lm_head) if tp_size() == 1 else None
+        self.screen_rows = dispatch.argmax_screen_rows_max(self.device) if self.screen is not None else 0
         # verify rows and the proposer's lookahead KV writes (constants.spec_token_margin)
         max_blocks = -(-(sc.max_model_len + spec_token_margin(k)) // self.block_size)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len + k, max_blocks, 1 + k)

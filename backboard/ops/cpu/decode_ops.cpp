@@ -1,9 +1,10 @@
 // The fused decode ops of a CPU step (one extension, compiled once per ISA level by build.py):
 // the GDN decode / verify step, paged decode attention, causal prefill attention (AVX512-BF16
 // builds), RMSNorm (+ residual), the GDN gated norm, SiLU-mul, the attention prologue (q / k
-// norm, RoPE, K/V cache write), greedy argmax (and its screen), random sampling's draw and the prefix cache's
-// block / slot copies. Each has the signature of its torch reference (the Python wrapper
-// backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested against it.
+// norm, RoPE, K/V cache write), greedy argmax (and its INT8 screen's scan), random sampling's
+// draw and the prefix cache's block / slot copies. Each has the signature of its torch reference
+// (the Python wrapper backboard/ops/cpu/decode_ops.py passes the arguments through) and is tested
+// against it.
 #include <torch/csrc/utils/pybind.h>
 
 #include "argmax.h"
